@@ -1,0 +1,209 @@
+"""Butterfly all-reduce in which every member applies bit-identical averages.
+
+hivemind's ``AllReduceRunner`` (butterfly all-reduce: each member reduces one slice of the
+flat vector) returns *deltas* ``average - my_input`` through the lossy codec, and a reducer
+keeps its own slice exact. With int8 that leaves each member with a slightly different
+average, and θ_global drifts apart across peers round after round.
+
+:class:`ConsensusAllReduceRunner` changes three things and keeps hivemind's matchmaking,
+partitioning, load balancing and timeouts:
+
+1. A reducer returns the encoded **average itself**, and applies to its own slice exactly the
+   bytes it sends (decode(encode(avg))). Every member decodes the same bytes, so all members
+   end the round with bit-identical values.
+2. Incoming parts are checked before they are summed: the sender must use our codec, its
+   weight must be finite and within bounds, its values finite, and their RMS no more than
+   ``max_part_rms_ratio`` times the reducer's own part (or a tiny absolute floor). A sender
+   that breaks a rule is banned from the round and named in the round report.
+3. Bytes on the wire and every failure (banned sender, failed reducer) are counted for the
+   round report, because ``DecentralizedAverager.step()`` returns normally even when no part
+   arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import torch
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
+from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_logger
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+
+logger = get_logger(__name__)
+
+MAX_SENDER_WEIGHT = 1e12  # tokens; far above any honest round
+_RMS_FLOOR = 1e-3  # absolute RMS an incoming part may always have (covers an all-zero local part)
+
+
+@dataclass
+class RoundStats:
+    """What one all-reduce round did, as seen by this member (plain data: it crosses a process pipe)."""
+
+    group_id: str = ""
+    group_peer_ids: list[str] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    failed_values: int = 0
+    total_values: int = 0
+    rejected_senders: dict[str, str] = field(default_factory=dict)  # peer id -> reason
+    failed_reducers: dict[str, str] = field(default_factory=dict)  # peer id -> reason
+
+    @property
+    def complete(self) -> bool:
+        return self.failed_values == 0 and not self.rejected_senders and not self.failed_reducers
+
+
+def _rms(t: torch.Tensor) -> float:
+    return float(t.float().pow(2).mean().sqrt()) if t.numel() else 0.0
+
+
+class ConsensusAllReduceRunner(AllReduceRunner):
+    """``hivemind.averaging.allreduce.AllReduceRunner`` with identical results on all members.
+
+    Outputs are absolute averages (not deltas) of the flattened tensors, fp32, in the order
+    and shapes of ``tensors``. See the module docstring for the rules.
+
+    :param stats: filled in during the round.
+    :param max_part_rms_ratio: bound on an incoming part's RMS relative to ours.
+    """
+
+    def __init__(self, *args, stats: RoundStats, max_part_rms_ratio: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tensor_part_container.return_deltas = False  # failed reducers then yield our own values
+        self.stats = stats
+        self.stats.group_id = self.group_id.hex() if isinstance(self.group_id, bytes) else str(self.group_id)
+        self.stats.group_peer_ids = [p.to_base58() for p in self.ordered_peer_ids]
+        self.stats.total_values = self.tensor_part_container.total_size
+        self.max_part_rms_ratio = max_part_rms_ratio
+        self._compression = self.tensor_part_container.compression
+        self._local_part_rms = [_rms(p) for p in self.parts_for_local_averaging]
+        self._encoded_averages: dict[int, asyncio.Future] = {}
+
+    async def _encoded_average(self, part_index: int, averaged_part: torch.Tensor):
+        """Encode our average of a part once; every member gets (and we apply) these bytes."""
+        future = self._encoded_averages.get(part_index)
+        if future is None:
+            future = self._encoded_averages[part_index] = asyncio.ensure_future(
+                asyncio.get_event_loop().run_in_executor(
+                    None, lambda: self._compression.compress(averaged_part, CompressionInfo.from_tensor(averaged_part))
+                )
+            )
+        return await future
+
+    async def _communicate_with_peer(self, peer_id):
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        if peer_id == self.peer_id:
+            sender_index = self.sender_peer_ids.index(peer_id)
+            for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+                averaged_part = await self.tensor_part_reducer.accumulate_part(
+                    sender_index, part_index, tensor_part, weight=self.weight
+                )
+                serialized = await self._encoded_average(part_index, averaged_part)
+                canonical = deserialize_torch_tensor(serialized)
+                self.tensor_part_container.register_processed_part(peer_index, part_index, canonical)
+            return
+
+        try:
+            done_sending = asyncio.Event()
+            inputs_aiter = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs_aiter)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+
+            expected_parts = self.tensor_part_container.num_parts_by_peer[peer_index]
+            part_index = 0
+
+            def _try_deserialize(msg):
+                if msg.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+                if msg.tensor_part.compression != self._compression.compression_type:
+                    raise AllreduceException(f"{peer_id} answered with another codec")
+                return deserialize_torch_tensor(msg.tensor_part), len(msg.tensor_part.buffer)
+
+            async for averaged, n_bytes in amap_in_executor(
+                _try_deserialize,
+                aiter_with_timeout(stream, self.reducer_timeout),
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                if part_index >= expected_parts:
+                    raise AllreduceException(f"{peer_id} sent more parts than expected")
+                if not torch.isfinite(averaged).all():
+                    raise AllreduceException(f"{peer_id} sent a non-finite average")
+                self.stats.bytes_received += n_bytes
+                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+                part_index += 1
+            if part_index != expected_parts:
+                raise AllreduceException(f"{peer_id} sent {part_index} parts, expected {expected_parts}")
+        except BaseException as e:
+            reason = repr(e) if isinstance(e, Exception) else type(e).__name__
+            self.stats.failed_reducers[peer_id.to_base58()] = reason[:200]
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            self.stats.failed_values = self.tensor_part_container.failed_size
+            if isinstance(e, Exception):
+                logger.debug(f"reducer {peer_id} failed: {e!r}")
+            raise
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super()._generate_input_for_peer(peer_index):
+            self.stats.bytes_sent += len(message.tensor_part.buffer)
+            yield message
+
+    def _check_sender_part(self, part_index: int, tensor_part: torch.Tensor, weight: float, compression) -> str | None:
+        if compression != self._compression.compression_type:
+            return "sent parts in another codec"
+        if not (math.isfinite(weight) and 0.0 <= weight <= MAX_SENDER_WEIGHT):
+            return f"sent an invalid weight {weight!r}"
+        if part_index >= len(self.parts_for_local_averaging):
+            return "sent more parts than expected"
+        if tensor_part.shape != self.parts_for_local_averaging[part_index].shape:
+            return "sent a part of the wrong shape"
+        if not torch.isfinite(tensor_part).all():
+            return "sent non-finite values"
+        bound = max(self.max_part_rms_ratio * self._local_part_rms[part_index], _RMS_FLOOR)
+        part_rms = _rms(tensor_part)
+        if part_rms > bound:
+            return f"sent a part with RMS {part_rms:.3g}, above the bound {bound:.3g}"
+        return None
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        sender_id = self.sender_peer_ids[sender_index]
+        part_index = 0
+        try:
+
+            def _deserialize(msg):
+                return deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression, len(
+                    msg.tensor_part.buffer
+                )
+
+            async for tensor_part, weight, compression, n_bytes in amap_in_executor(
+                _deserialize, stream, max_prefetch=self.tensor_part_container.prefetch
+            ):
+                self.stats.bytes_received += n_bytes
+                problem = self._check_sender_part(part_index, tensor_part, weight, compression)
+                if problem is not None:
+                    self.stats.rejected_senders[sender_id.to_base58()] = problem
+                    logger.warning(f"Rejected peer {sender_id.to_base58()}: it {problem}")
+                    break
+                try:
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
+                    part_index += 1
+                except Exception:  # BannedException: the sender was banned while we waited
+                    self.stats.rejected_senders.setdefault(sender_id.to_base58(), "banned (too slow)")
+                    break
+                serialized = await self._encoded_average(part_index - 1, averaged_part)
+                self.stats.bytes_sent += len(serialized.buffer)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+        except Exception as e:  # a malformed part (CodecError) ends this sender's stream
+            self.stats.rejected_senders[sender_id.to_base58()] = f"sent a malformed part ({e})"[:200]
+            logger.warning(f"Rejected peer {sender_id.to_base58()}: malformed part ({e})")
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                self.stats.rejected_senders.setdefault(sender_id.to_base58(), "did not send all parts")
+                await self._ban_sender(sender_id)

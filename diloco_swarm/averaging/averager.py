@@ -1,0 +1,285 @@
+"""Pseudo-gradient averager: hivemind matchmaking + :class:`ConsensusAllReduceRunner`.
+
+One call of :meth:`PseudoGradientAverager.average` is one DiLoCo sync (arXiv 2311.08105,
+Algorithm 1, the "outer gradient" all-reduce): copy the local pseudo-gradient Δ in, find a
+group through hivemind's matchmaking inside the window, run the butterfly all-reduce with the
+int8 codec, weight peers by the tokens they processed since their last sync, and verify the
+result before handing it back. Any doubt makes the round a failed round: the caller then
+applies its own Δ (a solo round), never a partial or unverified average.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from hivemind import DHT
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression
+from hivemind.utils import get_dht_time, get_logger
+
+from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner, RoundStats
+from diloco_swarm.averaging.codec import Int8BlockwiseCodec
+
+logger = get_logger(__name__)
+
+
+class _QuietExpectedFailures(logging.Filter):
+    """hivemind logs a full traceback at ERROR when no group formed; we report solo rounds ourselves."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "could not find a group" not in record.getMessage()
+
+
+logging.getLogger("hivemind.averaging.averager").addFilter(_QuietExpectedFailures())
+
+COMPRESSIONS: dict[str, type[CompressionBase]] = {
+    "int8": Int8BlockwiseCodec,
+    "fp16": Float16Compression,
+    "fp32": NoCompression,
+}
+
+
+def tensors_digest(tensors: Sequence[torch.Tensor]) -> str:
+    """sha256 (first 16 hex digits) over the raw fp32 bytes of ``tensors``, in order."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class RoundResult:
+    """Outcome of one averaging round, from this peer's point of view.
+
+    ``ok`` is true only when a group of at least two formed, every part of every member
+    arrived and passed the checks, the average is finite and within the norm bound, and no
+    member published a different digest of the average. When ``ok`` is false the caller's
+    tensors hold its own Δ again.
+    """
+
+    ok: bool
+    group_size: int  # 1 = no group (solo round)
+    reason: str = ""
+    group_peer_ids: list[str] = field(default_factory=list)
+    gathered: dict[str, Any] = field(default_factory=dict)  # peer id -> its metadata
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    matchmaking_s: float = 0.0
+    rejected_peers: dict[str, str] = field(default_factory=dict)
+    digest: str = ""
+    agreed_peers: int = 0  # members (besides us) whose published digest matched ours
+
+
+class PseudoGradientAverager(DecentralizedAverager):
+    """``hivemind.averaging.DecentralizedAverager`` that averages pseudo-gradients verifiably.
+
+    :param tensors: the Δ buffers, fp32 CPU, shapes of the model parameters (shared memory).
+    :param dht: a running ``hivemind.DHT``.
+    :param prefix: matchmaking key; the run id, so only peers of the same run meet.
+    :param compression: ``int8`` (default), ``fp16`` or ``fp32``.
+    :param target_group_size: most peers in one group.
+    :param matchmaking_time: seconds a group leader gathers followers before it starts.
+    :param allreduce_timeout: seconds the all-reduce may take once the group formed.
+    :param next_chunk_timeout: seconds without a part before a peer counts as failed.
+    :param max_norm_ratio: a received average whose norm exceeds this multiple of our own
+        Δ's norm is discarded (hostile or broken peer); also bounds each incoming part's RMS.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        dht: DHT,
+        *,
+        prefix: str,
+        compression: str = "int8",
+        target_group_size: int = 4,
+        matchmaking_time: float = 5.0,
+        allreduce_timeout: float = 60.0,
+        next_chunk_timeout: float = 10.0,
+        max_norm_ratio: float = 10.0,
+        client_mode: bool | None = None,
+        **kwargs,
+    ):
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"unknown compression {compression!r}; choose one of {', '.join(COMPRESSIONS)}")
+        self.compression_name = compression
+        self.max_norm_ratio = max_norm_ratio
+        self._round_stats: dict[str, RoundStats] = {}
+        super().__init__(
+            averaged_tensors=tensors,
+            dht=dht,
+            start=True,
+            prefix=prefix,
+            target_group_size=target_group_size,
+            min_group_size=2,
+            min_matchmaking_time=matchmaking_time,
+            request_timeout=max(0.5, min(3.0, matchmaking_time / 3)),  # hivemind: must be < matchmaking time
+            allreduce_timeout=allreduce_timeout,
+            next_chunk_timeout=next_chunk_timeout,
+            compression=COMPRESSIONS[compression](),
+            client_mode=client_mode,
+            **kwargs,
+        )
+
+    # --- runs in the averager process -------------------------------------------------
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        group_id = group_info.group_id if group_id is None else group_id
+        stats = RoundStats()
+        runner = ConsensusAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            stats=stats,
+            max_part_rms_ratio=self.max_norm_ratio,
+            **kwargs,
+        )
+        self._round_stats[group_id.hex()] = stats
+        assert group_id in self._running_groups, f"Group id {group_id} was not registered"
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
+            return
+        i = 0
+        async for averaged in runner:
+            tensors[i].copy_(averaged.reshape(tensors[i].shape))  # absolute values, not deltas
+            i += 1
+        self.last_updated = get_dht_time()
+        self._state_updated.set()
+        stats.failed_values = runner.tensor_part_container.failed_size
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        stats = self._round_stats.pop(group_info.group_id.hex(), RoundStats())
+        self._round_stats.clear()
+        return {"gathered": gathered, "stats": dataclasses.asdict(stats)}
+
+    # --- runs in the caller's process -------------------------------------------------
+    def average(
+        self,
+        delta: Sequence[torch.Tensor],
+        *,
+        weight: float,
+        metadata: dict[str, Any],
+        timeout: float,
+        digest_wait: float = 3.0,
+        stop: threading.Event | None = None,
+    ) -> tuple[RoundResult, list[torch.Tensor]]:
+        """Average ``delta`` with a group of peers; return the verified result.
+
+        :param delta: this peer's pseudo-gradient, fp32, shapes of the averaged tensors.
+        :param weight: tokens this peer processed since its last sync (> 0).
+        :param metadata: small msgpack-able dict gathered from every member (outer step...).
+        :param timeout: seconds to wait for a group before giving up (a solo round).
+        :param digest_wait: seconds to wait for the other members' digests of the average.
+        :param stop: when set, the round in flight is abandoned (graceful leave).
+        :returns: the round's result and the Δ to apply: the group's average when ``ok``,
+            else a copy of ``delta``.
+        """
+        started = time.perf_counter()
+        local = [d.detach().to("cpu", torch.float32).clone() for d in delta]
+        with self.get_tensors() as buffers:
+            for buf, d in zip(buffers, local):
+                buf.copy_(d)
+        try:
+            control = self.step(weight=float(weight), gather=metadata, timeout=timeout, allow_retries=True, wait=False)
+            while True:
+                try:
+                    control = control.result(timeout=0.25)
+                    break
+                except TimeoutError:
+                    if stop is not None and stop.is_set():
+                        control.cancel()
+                        return self._solo(local, started, reason="stopping"), local
+        except Exception as e:  # no group in the window, or the all-reduce failed outright
+            return self._solo(local, started, reason=_short_reason(e)), local
+        if control is None:
+            return self._solo(local, started, reason="no group formed"), local
+
+        stats = RoundStats(**control["stats"])
+        gathered = {str(k): v for k, v in (control["gathered"] or {}).items()}
+        result = RoundResult(
+            ok=False,
+            group_size=max(1, len(stats.group_peer_ids)),
+            group_peer_ids=stats.group_peer_ids,
+            gathered=gathered,
+            bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received,
+            rejected_peers={**stats.rejected_senders, **stats.failed_reducers},
+        )
+        with self.get_tensors() as buffers:
+            averaged = [b.clone() for b in buffers]
+        problem = self._check_round(stats, local, averaged)
+        if problem is None:
+            result.digest = tensors_digest(averaged)
+            problem = self._cross_check(stats, result, digest_wait)
+        result.seconds = time.perf_counter() - started
+        if problem is not None:
+            result.reason = problem
+            logger.warning(f"Averaging round failed ({problem}); applying the local pseudo-gradient")
+            return result, local
+        result.ok = True
+        return result, averaged
+
+    def _solo(self, local, started: float, reason: str) -> RoundResult:
+        return RoundResult(ok=False, group_size=1, reason=reason, seconds=time.perf_counter() - started)
+
+    def _check_round(self, stats: RoundStats, local, averaged) -> str | None:
+        if len(stats.group_peer_ids) < 2:
+            return "no group formed"
+        if stats.rejected_senders:
+            return "rejected " + ", ".join(f"{p} ({r})" for p, r in stats.rejected_senders.items())
+        if stats.failed_reducers or stats.failed_values:
+            return f"partial round: {stats.failed_values} of {stats.total_values} values missing"
+        if not all(torch.isfinite(a).all() for a in averaged):
+            return "the average is not finite"
+        local_norm = torch.sqrt(sum(d.pow(2).sum() for d in local)).item()
+        avg_norm = torch.sqrt(sum(a.pow(2).sum() for a in averaged)).item()
+        if avg_norm > self.max_norm_ratio * max(local_norm, 1e-12):
+            return f"the average's norm {avg_norm:.3g} exceeds {self.max_norm_ratio:g}x our own ({local_norm:.3g})"
+        return None
+
+    def _cross_check(self, stats: RoundStats, result: RoundResult, digest_wait: float) -> str | None:
+        """Members publish a digest of the average they applied; all must match ours."""
+        key = f"{self.prefix}_round_{stats.group_id}"
+        me = self.peer_id.to_base58()
+        others = set(stats.group_peer_ids) - {me}
+        try:
+            self.dht.store(key, subkey=me, value=result.digest, expiration_time=get_dht_time() + 120)
+        except Exception as e:
+            return f"could not publish the round digest ({_short_reason(e)})"
+        deadline = time.monotonic() + digest_wait
+        while True:
+            found = self.dht.get(key, latest=True)
+            digests = {}
+            if found is not None and isinstance(found.value, dict):
+                digests = {str(k): v.value for k, v in found.value.items()}
+            mismatched = {p for p in others if p in digests and digests[p] != result.digest}
+            if mismatched:
+                return "members applied a different average: " + ", ".join(sorted(mismatched))
+            result.agreed_peers = sum(1 for p in others if digests.get(p) == result.digest)
+            if result.agreed_peers == len(others):
+                return None
+            if time.monotonic() > deadline:
+                # Everything arrived and checked out locally; a member that has not published
+                # yet is slow, not wrong. Its own check still protects it.
+                logger.info(f"round digest: {result.agreed_peers}/{len(others)} members confirmed in time")
+                return None
+            time.sleep(0.2)
+
+
+def _short_reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text[:160]

@@ -1,0 +1,200 @@
+"""``diloco-node``: join a DiLoCo training swarm, or run a local demo swarm.
+
+Every user-facing problem ends with one line on stderr and exit code 2; nothing saved is lost.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # before hivemind is imported anywhere
+
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="diloco-node",
+    help=(
+        "Train a shared language model with strangers' GPUs and CPUs over the internet.\n\n"
+        "Each node trains locally for H inner steps, then averages its int8 pseudo-gradient with a "
+        "small group of peers found through a DHT, and applies an outer Nesterov step (DiLoCo, "
+        "arXiv 2311.08105). Start a swarm with `diloco-node join`, or see one on this machine "
+        "with `diloco-node demo`."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True, highlight=False)
+
+USAGE_ERROR = 2
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    mps = "mps"
+
+
+class Model(str, Enum):
+    tiny = "tiny"
+    small = "small"
+    base = "base"
+
+
+class Compression(str, Enum):
+    int8 = "int8"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+def fail(message: str, code: int = USAGE_ERROR) -> "typer.Exit":
+    err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    return typer.Exit(code)
+
+
+SWARM = "Swarm"
+TRAINING = "Training (the run spec: every peer of a run must agree)"
+LOCAL = "Local"
+AVERAGING = "Averaging"
+
+
+@app.command()
+def join(
+    run_id: Annotated[str, typer.Option(help="Name of the training run; peers with the same run id train together.", rich_help_panel=SWARM)] = "diloco-demo",
+    initial_peers: Annotated[Optional[list[str]], typer.Option("--initial-peers", help="Multiaddr of a running node (/ip4/HOST/tcp/PORT/p2p/PEER_ID), as printed by that node. Repeat or separate with spaces. Omit to start a new swarm.", rich_help_panel=SWARM)] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on. 0.0.0.0 = all interfaces; 127.0.0.1 = this machine only.", rich_help_panel=SWARM)] = "0.0.0.0",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port to listen on; 0 = any free port.", rich_help_panel=SWARM)] = 0,
+    announce: Annotated[Optional[list[str]], typer.Option("--announce", help="Public multiaddr(s) other peers should dial, e.g. /ip4/203.0.113.5/tcp/31337 for a port-forwarded home PC.", rich_help_panel=SWARM)] = None,
+    client_mode: Annotated[bool, typer.Option("--client-mode", help="Only dial out (for hosts that cannot accept connections); this node then never reduces parts.", rich_help_panel=SWARM)] = False,
+    dataset: Annotated[Optional[str], typer.Option(help="Text file, folder or glob. Default: the Python standard library's source files (no download).", rich_help_panel=TRAINING)] = None,
+    model: Annotated[Model, typer.Option(help="Model size preset: tiny (~0.5M params, CPUs/tests), small (~10M), base (~100M, GPUs).", rich_help_panel=TRAINING)] = Model.tiny,
+    inner_steps: Annotated[int, typer.Option(min=1, help="H: inner AdamW steps between outer steps.", rich_help_panel=TRAINING)] = 500,
+    seq_len: Annotated[int, typer.Option(min=8, help="Tokens (bytes) per training sequence.", rich_help_panel=TRAINING)] = 256,
+    inner_lr: Annotated[float, typer.Option(min=0.0, help="Inner AdamW learning rate.", rich_help_panel=TRAINING)] = 1e-3,
+    outer_lr: Annotated[float, typer.Option(min=0.0, help="Outer SGD learning rate.", rich_help_panel=TRAINING)] = 0.7,
+    outer_momentum: Annotated[float, typer.Option(min=0.0, max=0.999, help="Outer Nesterov momentum (0 = plain SGD).", rich_help_panel=TRAINING)] = 0.9,
+    compression: Annotated[Compression, typer.Option(help="Pseudo-gradient encoding on the wire.", rich_help_panel=TRAINING)] = Compression.int8,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the initial weights (shared) and of each peer's data order (mixed with its peer id).", rich_help_panel=TRAINING)] = 0,
+    batch_size: Annotated[int, typer.Option(min=1, help="Sequences per inner step on this node.", rich_help_panel=LOCAL)] = 16,
+    device: Annotated[Device, typer.Option(help="Where the inner steps run; auto = cuda, else mps, else cpu. CUDA trains in bf16 autocast.", rich_help_panel=LOCAL)] = Device.auto,
+    threads: Annotated[int, typer.Option(min=0, help="PyTorch CPU threads (0 = PyTorch's default). Use 1 when several nodes share a small CPU.", rich_help_panel=LOCAL)] = 0,
+    max_outer_steps: Annotated[int, typer.Option(min=0, help="Stop after this many outer steps (0 = run until Ctrl+C).", rich_help_panel=LOCAL)] = 0,
+    state_dir: Annotated[Path, typer.Option(help="Identity key, checkpoints and lock of this node. One node per state dir; restart with the same dir to resume.", rich_help_panel=LOCAL)] = Path("diloco-state"),
+    metrics_file: Annotated[Optional[Path], typer.Option(help="Append JSON Lines metrics here (one object per outer step; see docs/metrics.md).", rich_help_panel=LOCAL)] = None,
+    name: Annotated[str, typer.Option(help="Nickname shown to other peers.", rich_help_panel=LOCAL)] = "",
+    max_dataset_bytes: Annotated[Optional[int], typer.Option(min=1024, help="Read at most this many bytes of the dataset (faster start on big corpora).", rich_help_panel=LOCAL)] = None,
+    target_group_size: Annotated[int, typer.Option(min=2, help="Most peers in one averaging group.", rich_help_panel=AVERAGING)] = 4,
+    matchmaking_time: Annotated[float, typer.Option(min=0.5, help="Seconds a group leader waits for more peers before averaging starts.", rich_help_panel=AVERAGING)] = 5.0,
+    averaging_window: Annotated[float, typer.Option(min=1.0, help="Seconds to look for a group before going solo for this outer step.", rich_help_panel=AVERAGING)] = 30.0,
+    allreduce_timeout: Annotated[float, typer.Option(min=1.0, help="Seconds the all-reduce may take once a group formed.", rich_help_panel=AVERAGING)] = 60.0,
+    fault: Annotated[str, typer.Option(hidden=True, help="Test-only fault injection: nan | huge.")] = "",
+) -> None:
+    """Join (or start) a training swarm and train until stopped.
+
+    Prints this node's multiaddrs; paste one into `--initial-peers` on another machine to join it.
+    Ctrl+C leaves cleanly (the checkpoint is written); a second Ctrl+C quits at once.
+    """
+    from pydantic import ValidationError
+
+    from diloco_swarm.node.config import NodeConfig
+    from diloco_swarm.spec import RunSpec
+
+    if fault not in ("", "nan", "huge"):
+        raise fail(f"--fault must be nan or huge, got '{fault}'")
+    if matchmaking_time >= averaging_window:
+        raise fail("--matchmaking-time must be shorter than --averaging-window")
+    try:
+        spec = RunSpec(
+            run_id=run_id,
+            model=model.value,
+            dataset="(set from the data)",
+            seq_len=seq_len,
+            inner_steps=inner_steps,
+            inner_lr=inner_lr,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            compression=compression.value,
+            seed=seed,
+        )
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise fail(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}")
+    from diloco_swarm.dht.swarm import SwarmError, parse_initial_peers
+
+    try:
+        peers = parse_initial_peers(initial_peers or [])
+    except SwarmError as e:
+        raise fail(str(e))
+    config = NodeConfig(
+        spec=spec,
+        dataset=dataset,
+        state_dir=state_dir,
+        initial_peers=peers,
+        host=host,
+        port=port,
+        announce=list(announce or []),
+        client_mode=client_mode,
+        batch_size=batch_size,
+        device=device.value,
+        threads=threads,
+        max_outer_steps=max_outer_steps,
+        target_group_size=target_group_size,
+        matchmaking_time=matchmaking_time,
+        averaging_window=averaging_window,
+        allreduce_timeout=allreduce_timeout,
+        metrics_file=metrics_file,
+        max_dataset_bytes=max_dataset_bytes,
+        name=name,
+        fault=fault,
+    )
+    run_node(config)
+
+
+def run_node(config) -> None:
+    """Run a node; map every user-facing failure to one line and exit code 2."""
+    from diloco_swarm.averaging.codec import CodecError
+    from diloco_swarm.data import DatasetError
+    from diloco_swarm.dht.swarm import SwarmError
+    from diloco_swarm.node.checkpoint import CheckpointError
+    from diloco_swarm.node.runner import Node, NodeError
+    from diloco_swarm.spec import SpecMismatch
+
+    try:
+        Node(config).run()
+    except (DatasetError, SwarmError, SpecMismatch, CheckpointError, NodeError, CodecError) as e:
+        raise fail(str(e))
+    except OSError as e:
+        raise fail(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "))
+
+
+@app.command()
+def demo(
+    peers: Annotated[int, typer.Option(min=1, max=16, help="Number of local nodes to start.")] = 3,
+    outer_steps: Annotated[int, typer.Option(min=1, help="Outer steps each node trains.")] = 5,
+    inner_steps: Annotated[int, typer.Option(min=1, help="H: inner steps per outer step.")] = 50,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the first node on 127.0.0.1 (the others take free ports).")] = 31337,
+    workdir: Annotated[Path, typer.Option(help="State dirs and metrics of the demo nodes go here.")] = Path("diloco-demo"),
+    dataset: Annotated[Optional[str], typer.Option(help="Text file, folder or glob (default: Python's standard library).")] = None,
+) -> None:
+    """Start a local swarm of N real `diloco-node join` processes on 127.0.0.1 and watch them train."""
+    from diloco_swarm.cli.demo import run_demo
+
+    code = run_demo(peers=peers, outer_steps=outer_steps, inner_steps=inner_steps, port=port, workdir=workdir,
+                    dataset=dataset, console=err)
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)

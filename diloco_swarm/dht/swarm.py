@@ -1,0 +1,212 @@
+"""Swarm membership over ``hivemind.DHT``: bootstrap, identity, the run spec record.
+
+DHT keys of a run (see docs/protocol.md):
+
+- ``{run_id}_spec``: the :class:`~diloco_swarm.spec.RunSpec` as a dict, refreshed by every peer.
+- ``{run_id}_progress``: one subkey per peer id, ``{"outer_step": int, "time": float}``.
+- ``{run_id}_round_{group_id}``: one subkey per member, the digest of the average it applied.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+from hivemind.utils.multiaddr import Multiaddr
+
+from diloco_swarm.spec import RunSpec, SpecMismatch
+
+SPEC_TTL_S = 3600.0
+PROGRESS_TTL_S = 300.0
+
+
+class SwarmError(Exception):
+    """A user-facing problem joining the swarm (bad address, busy port, no bootstrap peer)."""
+
+
+def parse_initial_peers(values: Sequence[str]) -> list[str]:
+    """Check multiaddrs such as ``/ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...``.
+
+    Accepts several per argument separated by spaces or commas.
+
+    :raises SwarmError: a value that is not a multiaddr, or lacks the ``/p2p/<peer id>`` part.
+    """
+    peers: list[str] = []
+    for value in values:
+        for item in value.replace(",", " ").split():
+            try:
+                addr = Multiaddr(item)
+            except Exception:
+                raise SwarmError(f"--initial-peers: '{item}' is not a multiaddr (expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)")
+            if "/p2p/" not in str(addr):
+                raise SwarmError(f"--initial-peers: '{item}' lacks the /p2p/PEER_ID part; copy the full address a node prints")
+            peers.append(str(addr))
+    return peers
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail early, with a clear message, when ``host:port`` cannot be bound (TCP).
+
+    :raises SwarmError: the port is in use or the address is not local.
+    """
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise SwarmError(f"port {port} on {host} is already in use; pick another with --port (0 = any free port)")
+            raise SwarmError(f"cannot listen on {host}:{port}: {e.strerror}")
+
+
+def listen_maddrs(host: str, port: int) -> list[str]:
+    proto = "ip6" if ":" in host else "ip4"
+    return [f"/{proto}/{host}/tcp/{port}"]
+
+
+class StateDirLock:
+    """An exclusive ``flock`` on ``state_dir/node.lock``: one node per state dir.
+
+    :raises SwarmError: another process holds the lock.
+    """
+
+    def __init__(self, state_dir: Path):
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.path = state_dir / "node.lock"
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise SwarmError(f"another diloco-node is running with state dir {state_dir}; give each node its own --state-dir")
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, f"{os.getpid()}\n".encode())
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = -1
+
+
+def start_dht(
+    *,
+    initial_peers: Sequence[str],
+    host: str,
+    port: int,
+    announce: Sequence[str] = (),
+    identity_path: Path | None = None,
+    client_mode: bool = False,
+    record_validators: Sequence[Any] = (),
+) -> DHT:
+    """Start a ``hivemind.DHT`` (a background process with the go-libp2p daemon).
+
+    :param identity_path: private key file; created on first start, so the peer id survives restarts.
+    :raises SwarmError: port busy, bad multiaddr, or no initial peer answered.
+    """
+    check_port_free(host, port)
+    for a in announce:
+        try:
+            Multiaddr(a)
+        except Exception:
+            raise SwarmError(f"--announce: '{a}' is not a multiaddr (expected /ip4/PUBLIC_IP/tcp/PORT)")
+    try:
+        return DHT(
+            initial_peers=list(initial_peers),
+            start=True,
+            host_maddrs=listen_maddrs(host, port),
+            announce_maddrs=list(announce) or None,
+            identity_path=str(identity_path) if identity_path else None,
+            check_if_identity_free=False,  # the state dir lock already guarantees one user
+            client_mode=client_mode,
+            record_validators=list(record_validators),
+            use_relay=False,
+            use_auto_relay=False,
+        )
+    except Exception as e:
+        text = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        if "bootstrap" in text or "failed to connect" in text:
+            raise SwarmError(
+                "none of the --initial-peers answered (" + ", ".join(initial_peers) + "); check the addresses and "
+                "that those nodes are running, or omit --initial-peers to start a new swarm"
+            )
+        if "address already in use" in text:
+            raise SwarmError(f"port {port} is already in use; pick another with --port")
+        raise SwarmError(f"could not start the DHT: {text}")
+
+
+def visible_maddrs(dht: DHT) -> list[str]:
+    """This node's addresses as other machines should paste them (with ``/p2p/<peer id>``)."""
+    return [str(a) for a in dht.get_visible_maddrs(latest=True)]
+
+
+def _spec_differences(ours: RunSpec, published: Any) -> dict[str, tuple[object, object]]:
+    mine = ours.model_dump()
+    if not isinstance(published, dict):
+        return {"spec": (mine, published)}
+    keys = list(mine) + [k for k in published if k not in mine]
+    return {k: (mine.get(k), published.get(k)) for k in keys if mine.get(k) != published.get(k)}
+
+
+def ensure_run_spec(dht: DHT, spec: RunSpec, *, joining: bool, attempts: int = 3) -> bool:
+    """Publish ``spec`` under ``{run_id}_spec``, or check it against the one already there.
+
+    :param joining: this node bootstrapped from initial peers, so look a few times before
+        concluding that the run is new.
+
+    :returns: True when the run already had this spec, False when this peer published it first.
+    :raises SpecMismatch: the published spec differs (names the fields).
+    """
+    key = f"{spec.run_id}_spec"
+    for _ in range(attempts if joining else 1):
+        found = dht.get(key, latest=True)
+        if found is not None:
+            diffs = _spec_differences(spec, found.value)
+            if diffs:
+                raise SpecMismatch(spec.run_id, diffs)
+            refresh_run_spec(dht, spec)
+            return True
+        time.sleep(0.3)
+    refresh_run_spec(dht, spec)
+    return False
+
+
+def refresh_run_spec(dht: DHT, spec: RunSpec) -> None:
+    dht.store(f"{spec.run_id}_spec", spec.model_dump(), expiration_time=get_dht_time() + SPEC_TTL_S)
+
+
+def publish_progress(dht: DHT, run_id: str, peer_id: str, outer_step: int) -> None:
+    dht.store(
+        f"{run_id}_progress",
+        {"outer_step": int(outer_step), "time": time.time()},
+        expiration_time=get_dht_time() + PROGRESS_TTL_S,
+        subkey=peer_id,
+    )
+
+
+def read_progress(dht: DHT, run_id: str) -> dict[str, int]:
+    """Outer step of each live peer of the run, ``{peer_id: outer_step}``; malformed entries skipped."""
+    found = dht.get(f"{run_id}_progress", latest=True)
+    out: dict[str, int] = {}
+    if found is None or not isinstance(found.value, dict):
+        return out
+    for peer, item in found.value.items():
+        value = getattr(item, "value", None)
+        if isinstance(value, dict) and isinstance(value.get("outer_step"), int) and value["outer_step"] >= 0:
+            out[str(peer)] = value["outer_step"]
+    return out
+
+
+def remove_progress(dht: DHT, run_id: str, peer_id: str) -> None:
+    """Say goodbye: overwrite our progress record with one that expires now."""
+    dht.store(f"{run_id}_progress", None, expiration_time=get_dht_time() + 0.01, subkey=peer_id)

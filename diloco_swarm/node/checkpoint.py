@@ -1,0 +1,84 @@
+"""Atomic checkpoints of a node's DiLoCo state.
+
+Layout in the state dir: ``checkpoint.pt`` (newest) and ``checkpoint.prev.pt`` (the one before).
+A write goes to a temp file, is fsynced, the current file is hard-linked to the ``prev`` name,
+and the temp file is renamed over the current one; then the directory is fsynced. At every
+instant ``checkpoint.pt`` is a complete file, and nothing good is ever deleted by a failed
+write. Files are read with ``torch.load(weights_only=True)``: plain tensors and numbers only.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHECKPOINT_NAME = "checkpoint.pt"
+PREVIOUS_NAME = "checkpoint.prev.pt"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(Exception):
+    """A checkpoint exists but cannot be used (corrupt, truncated, or of another run)."""
+
+
+def checkpoint_path(state_dir: Path) -> Path:
+    return state_dir / CHECKPOINT_NAME
+
+
+def save_checkpoint(state_dir: Path, state: dict[str, Any]) -> Path:
+    """Write ``state`` atomically as ``state_dir/checkpoint.pt``; keep the old one as ``checkpoint.prev.pt``.
+
+    :param state: tensors, numbers, strings, lists and dicts of those.
+    :returns: the checkpoint path.
+    :raises OSError: the disk write failed (the previous checkpoint is untouched).
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    target = state_dir / CHECKPOINT_NAME
+    fd, tmp_name = tempfile.mkstemp(prefix=".checkpoint.", suffix=".tmp", dir=state_dir)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"format_version": FORMAT_VERSION, **state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if target.exists():
+            prev_tmp = state_dir / f".{PREVIOUS_NAME}.tmp"
+            prev_tmp.unlink(missing_ok=True)
+            os.link(target, prev_tmp)
+            os.replace(prev_tmp, state_dir / PREVIOUS_NAME)
+        os.replace(tmp_name, target)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(state_dir, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return target
+
+
+def load_checkpoint(path: Path) -> dict[str, Any] | None:
+    """Read a checkpoint written by :func:`save_checkpoint`; ``None`` if the file does not exist.
+
+    :raises CheckpointError: the file is unreadable, truncated or not one of ours; the message
+        names the file and how to start fresh. The file is never modified.
+    """
+    if not path.exists():
+        return None
+    how_to = (
+        f"move it away to start fresh (mv {path} {path}.bad)"
+        + (f", or restore the previous one (cp {path.parent / PREVIOUS_NAME} {path})"
+           if (path.parent / PREVIOUS_NAME).exists() and path.name != PREVIOUS_NAME else "")
+    )
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({reason}); {how_to}") from None
+    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} is not a diloco-swarm checkpoint of format {FORMAT_VERSION}; {how_to}")
+    return state

@@ -1,0 +1,36 @@
+"""Configuration of one node: the shared RunSpec plus local settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diloco_swarm.spec import RunSpec
+
+
+@dataclass
+class NodeConfig:
+    """Everything ``diloco-node join`` needs. Times in seconds, sizes in tokens (bytes) or counts."""
+
+    spec: RunSpec
+    dataset: str | None = None  # None = the embedded Python standard library sources
+    state_dir: Path = Path("diloco-state")
+    initial_peers: list[str] = field(default_factory=list)
+    host: str = "0.0.0.0"
+    port: int = 0
+    announce: list[str] = field(default_factory=list)
+    client_mode: bool = False
+    batch_size: int = 16
+    device: str = "auto"
+    threads: int = 0  # torch CPU threads; 0 = torch's default
+    max_outer_steps: int = 0  # 0 = train until stopped
+    target_group_size: int = 4
+    matchmaking_time: float = 5.0  # a group leader gathers followers this long
+    averaging_window: float = 30.0  # wait at most this long for a group, then go solo
+    allreduce_timeout: float = 60.0
+    metrics_file: Path | None = None
+    eval_batches: int = 8
+    max_dataset_bytes: int | None = None
+    max_norm_ratio: float = 10.0
+    name: str = ""
+    fault: str = ""  # test-only fault injection, hidden from --help

@@ -1,0 +1,93 @@
+"""Metrics (JSON Lines) and the live status line of a node."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``path`` (flushed per line; fields in docs/metrics.md)."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"time": round(time.time(), 3), **record}, allow_nan=False, default=str) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+class StatusLine:
+    """One informative line: on a terminal it updates in place (rich ``Live``), else it is printed
+    at most every ``every_s`` seconds and at each outer step, so logs stay readable."""
+
+    def __init__(self, console: Console | None = None, every_s: float = 15.0):
+        self.console = console or Console(stderr=True, highlight=False)
+        self.every_s = every_s
+        self._last_print = 0.0
+        self._live: Live | None = None
+        if self.console.is_terminal:
+            self._live = Live(Text(""), console=self.console, refresh_per_second=4, transient=False)
+            self._live.start()
+
+    def log(self, message: str) -> None:
+        self.console.print(message, soft_wrap=True, markup=False)
+
+    def update(self, fields: dict[str, Any], force: bool = False) -> None:
+        text = self.render(fields)
+        if self._live is not None:
+            self._live.update(Text(text))
+        elif force or time.monotonic() - self._last_print >= self.every_s:
+            self._last_print = time.monotonic()
+            print(text, file=sys.stderr, flush=True)
+
+    @staticmethod
+    def render(f: dict[str, Any]) -> str:
+        parts = [
+            f"outer {f.get('outer_step', 0)}",
+            f"inner {f.get('inner_step', 0)}/{f.get('inner_steps', '?')}",
+            f"loss {f['loss']:.3f}" if f.get("loss") is not None else "loss -",
+            f"{f.get('tokens_per_s', 0):,.0f} tok/s",
+            f"peers {f.get('peers_seen', 1)}",
+        ]
+        if f.get("last_round"):
+            r = f["last_round"]
+            state = "ok" if r["round_ok"] else f"failed ({r.get('reason') or 'solo'})"
+            parts.append(
+                f"last round: group {r['group_size']}, {_fmt_bytes(r['bytes_sent'])} sent, {r['averaging_s']:.1f}s, {state}"
+            )
+        if f.get("failed_rounds"):
+            parts.append(f"failed rounds {f['failed_rounds']}")
+        if f.get("goodput") is not None:
+            parts.append(f"goodput {100 * f['goodput']:.0f}%")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None

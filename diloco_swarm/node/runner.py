@@ -1,0 +1,402 @@
+"""The DiLoCo loop of one node (Douillard et al., arXiv 2311.08105, Algorithm 1).
+
+    for each outer step t:
+        H inner AdamW steps on local data          (θ_local)
+        Δ = θ_global − θ_local                      (fp32, CPU)
+        Δ̄ = token-weighted average of Δ over a group found inside the matchmaking window,
+            int8 on the wire, verified; our own Δ when no verified average (a solo round)
+        θ_global ← OuterSGD_Nesterov(θ_global, grad=Δ̄);  θ_local ← θ_global
+        checkpoint (atomic), metrics, DHT progress record
+
+No global barrier: a peer never waits on another past the averaging window plus the
+all-reduce timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diloco_swarm import __version__
+from diloco_swarm.data import BatchSampler, evaluate, held_out_batches, load_corpus
+from diloco_swarm.models import build_model, num_parameters
+from diloco_swarm.node.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from diloco_swarm.node.config import NodeConfig
+from diloco_swarm.node.outer import OuterOptimizer
+from diloco_swarm.node.report import MetricsWriter, StatusLine
+
+WARMUP_INNER_STEPS = 50
+
+
+class NodeError(Exception):
+    """A user-facing problem that stops the node before or during training (exit code 2)."""
+
+
+class Diverged(NodeError):
+    """The local pseudo-gradient became non-finite: inner training diverged."""
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` → cuda, else mps, else cpu. :raises NodeError: an explicit device is unavailable."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise NodeError("--device cuda: no CUDA GPU is visible to PyTorch; use --device cpu or auto")
+    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise NodeError("--device mps: Apple MPS is not available here; use --device cpu or auto")
+    return torch.device(name)
+
+
+@dataclass
+class Clock:
+    """Wall seconds by activity, for goodput (share of wall time spent in inner steps that were applied)."""
+
+    inner_s: float = 0.0
+    averaging_s: float = 0.0
+    other_s: float = 0.0
+    started: float = 0.0
+
+    def goodput(self) -> float:
+        total = time.monotonic() - self.started
+        return self.inner_s / total if total > 0 else 0.0
+
+
+class StopFlag:
+    """First SIGINT/SIGTERM asks for a graceful stop; a second one exits at once."""
+
+    def __init__(self, status: StatusLine):
+        self.event = threading.Event()
+        self.status = status
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.event.is_set():
+            for child in mp.active_children():
+                with contextlib.suppress(Exception):
+                    child.kill()
+            os._exit(130)
+        self.event.set()
+        self.status.log("stopping: finishing up and writing the checkpoint (press Ctrl+C again to quit at once)")
+
+    @property
+    def requested(self) -> bool:
+        return self.event.is_set()
+
+
+class Node:
+    """One DiLoCo peer. Build with a :class:`NodeConfig`, then :meth:`run`."""
+
+    def __init__(self, config: NodeConfig, status: StatusLine | None = None):
+        self.cfg = config
+        self.spec = config.spec
+        self.status = status or StatusLine()
+        self.stop = StopFlag(self.status)
+        self.clock = Clock()
+        self.dht = None
+        self.averager = None
+        self.lock = None
+        self.metrics = MetricsWriter(config.metrics_file)
+        self.failed_rounds = 0
+        self.last_round: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self) -> None:
+        from diloco_swarm.averaging.averager import PseudoGradientAverager
+        from diloco_swarm.dht.swarm import StateDirLock, ensure_run_spec, start_dht, visible_maddrs
+
+        cfg, spec = self.cfg, self.spec
+        self.device = pick_device(cfg.device)
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        self.lock = StateDirLock(cfg.state_dir)
+
+        # Everything local that can fail is checked before we touch the network.
+        self.corpus = load_corpus(cfg.dataset, max_bytes=cfg.max_dataset_bytes)
+        self.corpus.check(spec.seq_len)
+        spec = self.spec = spec.model_copy(update={"dataset": self.corpus.description})
+        checkpoint = load_checkpoint(checkpoint_path(cfg.state_dir))
+        if checkpoint is not None and checkpoint.get("spec") != spec.model_dump():
+            theirs = checkpoint.get("spec") or {}
+            diffs = ", ".join(k for k in spec.model_dump() if spec.model_dump()[k] != theirs.get(k))
+            raise NodeError(
+                f"state dir {cfg.state_dir} holds a checkpoint of a different run spec (differs in: {diffs}); "
+                "use another --state-dir, or the flags of that run"
+            )
+
+        self.model = build_model(spec.model, seed=spec.seed).to(self.device)
+        if spec.seq_len > self.model.config.block_size:
+            raise NodeError(
+                f"--seq-len {spec.seq_len} exceeds the '{spec.model}' model's context of {self.model.config.block_size}"
+            )
+        self.params = list(self.model.parameters())
+        self.outer = OuterOptimizer(self.params, lr=spec.outer_lr, momentum=spec.outer_momentum)
+        self.inner_opt = torch.optim.AdamW(self.params, lr=spec.inner_lr, betas=(0.9, 0.95), weight_decay=0.1)
+        self.outer_step = 0
+        self.inner_steps_total = 0
+        self.tokens_total = 0
+        if checkpoint is not None:
+            self._restore(checkpoint)
+            self.status.log(f"resumed from {checkpoint_path(cfg.state_dir)} at outer step {self.outer_step}")
+
+        from diloco_swarm.averaging import codec
+
+        if cfg.fault == "nan":
+            codec.inject_nonfinite_scales(True)
+
+        self.dht = start_dht(
+            initial_peers=cfg.initial_peers,
+            host=cfg.host,
+            port=cfg.port,
+            announce=cfg.announce,
+            identity_path=cfg.state_dir / "identity.key",
+            client_mode=cfg.client_mode,
+        )
+        self.peer_id = self.dht.peer_id.to_base58()
+        ensure_run_spec(self.dht, spec, joining=bool(cfg.initial_peers))
+        self.sampler = BatchSampler(self.corpus.train, cfg.batch_size, spec.seq_len, seed=spec.seed, stream_id=self.peer_id)
+        self.eval_set = held_out_batches(self.corpus.held_out, cfg.batch_size, spec.seq_len, cfg.eval_batches)
+        self.averager = PseudoGradientAverager(
+            [t.clone() for t in self.outer.theta],
+            self.dht,
+            prefix=spec.run_id,
+            compression=spec.compression,
+            target_group_size=cfg.target_group_size,
+            matchmaking_time=cfg.matchmaking_time,
+            allreduce_timeout=cfg.allreduce_timeout,
+            max_norm_ratio=cfg.max_norm_ratio,
+            client_mode=cfg.client_mode,
+        )
+        addrs = visible_maddrs(self.dht)
+        self.status.log(
+            f"peer {self.peer_id} | run '{spec.run_id}' | model {spec.model} "
+            f"({num_parameters(self.model) / 1e6:.2f}M params) on {self.device} | data {self.corpus.description}"
+        )
+        self.status.log("to join from another machine: diloco-node join --run-id {} --initial-peers {}".format(
+            spec.run_id, " ".join(addrs) if addrs else "<this node's multiaddr>"))
+        self.metrics.write(
+            {
+                "event": "start",
+                "peer_id": self.peer_id,
+                "version": __version__,
+                "spec_hash": spec.spec_hash(),
+                "maddrs": addrs,
+                "device": str(self.device),
+                "outer_step": self.outer_step,
+            }
+        )
+
+    def _restore(self, ckpt: dict[str, Any]) -> None:
+        try:
+            self.outer.load_state_dict(ckpt["outer"])
+            self.inner_opt.load_state_dict(ckpt["inner_optimizer"])
+            self.outer_step = int(ckpt["outer_step"])
+            self.inner_steps_total = int(ckpt["inner_steps_total"])
+            self.tokens_total = int(ckpt["tokens_total"])
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise CheckpointError(
+                f"checkpoint {checkpoint_path(self.cfg.state_dir)} does not fit this model ({e}); "
+                "move it away to start fresh"
+            ) from None
+        self.outer.copy_to(self.params)
+
+    def _checkpoint(self) -> None:
+        save_checkpoint(
+            self.cfg.state_dir,
+            {
+                "spec": self.spec.model_dump(),
+                "spec_hash": self.spec.spec_hash(),
+                "peer_id": self.peer_id,
+                "outer_step": self.outer_step,
+                "inner_steps_total": self.inner_steps_total,
+                "tokens_total": self.tokens_total,
+                "outer": self.outer.state_dict(),
+                "inner_optimizer": self.inner_opt.state_dict(),
+            },
+        )
+
+    # ------------------------------------------------------------------ training
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _inner_steps(self) -> tuple[float | None, int]:
+        """H inner steps; returns (mean training loss, tokens). Stops early when asked to."""
+        spec, cfg = self.spec, self.cfg
+        self.model.train()
+        losses, tokens = [], 0
+        t_last = time.monotonic()
+        tokens_window = 0
+        for i, (x, y) in enumerate(self.sampler.batches_for_outer_step(self.outer_step, spec.inner_steps)):
+            if self.stop.requested:
+                return None, tokens
+            t0 = time.monotonic()
+            lr_scale = min(1.0, (self.inner_steps_total + 1) / WARMUP_INNER_STEPS)
+            for group in self.inner_opt.param_groups:
+                group["lr"] = spec.inner_lr * lr_scale
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with self._autocast():
+                _, loss = self.model(x, y)
+            self.inner_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+            self.inner_opt.step()
+            self.inner_steps_total += 1
+            losses.append(loss.item())
+            tokens += x.numel()
+            tokens_window += x.numel()
+            self.clock.inner_s += time.monotonic() - t0
+            now = time.monotonic()
+            if now - t_last >= 1.0 or i + 1 == spec.inner_steps:
+                self._status(inner_step=i + 1, loss=sum(losses[-20:]) / len(losses[-20:]),
+                             tokens_per_s=tokens_window / max(now - t_last, 1e-9))
+                t_last, tokens_window = now, 0
+        return (sum(losses) / len(losses) if losses else None), tokens
+
+    def _status(self, force: bool = False, **fields) -> None:
+        self._status_fields = {**getattr(self, "_status_fields", {}), **fields}
+        self.status.update(
+            {
+                **self._status_fields,
+                "outer_step": self.outer_step,
+                "inner_steps": self.spec.inner_steps,
+                "peers_seen": getattr(self, "peers_seen", 1),
+                "last_round": self.last_round,
+                "failed_rounds": self.failed_rounds,
+                "goodput": self.clock.goodput(),
+            },
+            force=force,
+        )
+
+    def _average(self, delta: list[torch.Tensor], tokens: int, loss: float | None):
+        metadata = {"outer_step": self.outer_step, "tokens": tokens, "spec_hash": self.spec.spec_hash()}
+        if self.cfg.fault == "huge":
+            delta = [d * 1e6 for d in delta]
+        return self.averager.average(
+            delta,
+            weight=max(tokens, 1),
+            metadata=metadata,
+            timeout=self.cfg.averaging_window,
+            stop=self.stop.event,
+        )
+
+    def run(self) -> None:
+        """Set up, train until ``max_outer_steps`` or a stop signal, then leave cleanly.
+
+        :raises NodeError, CheckpointError, SwarmError, SpecMismatch, DatasetError: user-facing problems.
+        """
+        from diloco_swarm.dht.swarm import publish_progress, read_progress, refresh_run_spec, remove_progress
+
+        self.stop.install()
+        self.clock.started = time.monotonic()
+        try:
+            self._setup()
+            initial_eval = evaluate(self.model, self.eval_set, self.device)
+            self.metrics.write({"event": "eval", "peer_id": self.peer_id, "outer_step": self.outer_step,
+                                "eval_loss": initial_eval})
+            self.status.log(f"held-out loss at outer step {self.outer_step}: {initial_eval:.4f}")
+            publish_progress(self.dht, self.spec.run_id, self.peer_id, self.outer_step)
+            while not self.stop.requested and (
+                self.cfg.max_outer_steps <= 0 or self.outer_step < self.cfg.max_outer_steps
+            ):
+                loss, tokens = self._inner_steps()
+                if self.stop.requested:
+                    break  # abandon the partial inner steps; θ_global is in the last checkpoint
+                delta = self.outer.pseudo_gradient(self.params)
+                if not all(torch.isfinite(d).all() for d in delta):
+                    raise Diverged(
+                        f"training diverged at outer step {self.outer_step}: the pseudo-gradient has non-finite "
+                        f"values; the last good checkpoint is kept; lower --inner-lr and restart"
+                    )
+                t0 = time.monotonic()
+                self._status(force=False, phase="averaging")
+                result, avg = self._average(delta, tokens, loss)
+                self.clock.averaging_s += time.monotonic() - t0
+                if not result.ok:
+                    self.failed_rounds += 1
+                self.outer.step(avg)
+                self.outer.copy_to(self.params)
+                self.outer_step += 1
+                self.tokens_total += tokens
+                self._checkpoint()
+                eval_loss = evaluate(self.model, self.eval_set, self.device)
+                with contextlib.suppress(Exception):
+                    publish_progress(self.dht, self.spec.run_id, self.peer_id, self.outer_step)
+                    refresh_run_spec(self.dht, self.spec)
+                    self.peers_seen = max(1, len(read_progress(self.dht, self.spec.run_id)))
+                self.last_round = {
+                    "group_size": result.group_size,
+                    "bytes_sent": result.bytes_sent,
+                    "averaging_s": result.seconds,
+                    "round_ok": result.ok,
+                    "reason": result.reason,
+                }
+                record = {
+                    "event": "outer_step",
+                    "outer_step": self.outer_step,
+                    "peer_id": self.peer_id,
+                    "group_size": result.group_size,
+                    "group": result.group_peer_ids,
+                    "loss": loss,
+                    "eval_loss": eval_loss,
+                    "tokens": tokens,
+                    "tokens_total": self.tokens_total,
+                    "bytes_sent": result.bytes_sent,
+                    "bytes_received": result.bytes_received,
+                    "averaging_s": round(result.seconds, 4),
+                    "compression": self.spec.compression,
+                    "round_ok": result.ok,
+                    "reason": result.reason,
+                    "rejected_peers": result.rejected_peers,
+                    "digest_confirmed_by": result.agreed_peers,
+                    "failed_rounds": self.failed_rounds,
+                    "theta_digest": _theta_digest(self.outer.theta),
+                    "inner_s": round(self.clock.inner_s, 3),
+                    "wall_s": round(time.monotonic() - self.clock.started, 3),
+                    "goodput": round(self.clock.goodput(), 4),
+                }
+                self.metrics.write(record)
+                self._status(force=True)
+                if result.rejected_peers:
+                    for peer, why in result.rejected_peers.items():
+                        self.status.log(f"outer step {self.outer_step}: peer {peer} was refused: {why}")
+            self.metrics.write({"event": "stop", "peer_id": self.peer_id, "outer_step": self.outer_step,
+                                "graceful": True, "goodput": round(self.clock.goodput(), 4)})
+            if self.dht is not None:
+                with contextlib.suppress(Exception):
+                    remove_progress(self.dht, self.spec.run_id, self.peer_id)
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        self.status.close()
+        for part in (self.averager, self.dht):
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    part.shutdown()
+        self.metrics.close()
+        if self.lock is not None:
+            self.lock.release()
+
+
+def _theta_digest(theta: list[torch.Tensor]) -> str:
+    from diloco_swarm.averaging.averager import tensors_digest
+
+    return tensors_digest(theta)

@@ -1,0 +1,65 @@
+"""RunSpec: everything the peers of one run must agree on, and its hash.
+
+A run is identified by its run id. The first peer of a run publishes its RunSpec in the DHT;
+every later peer compares its own spec with it and refuses to train on a mismatch, naming the
+fields that differ (:class:`SpecMismatch`). Knobs that do not change the maths shared by the
+swarm (batch size, device, ports, timeouts) stay local and are not part of the spec.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+PROTOCOL_VERSION = 1
+
+
+class RunSpec(BaseModel):
+    """The agreed parameters of a run (DiLoCo, arXiv 2311.08105, Table 1 defaults)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+    protocol_version: int = PROTOCOL_VERSION
+    model: str
+    dataset: str
+    seq_len: int = Field(gt=0)
+    inner_steps: int = Field(gt=0, description="H: inner steps per outer step")
+    inner_lr: float = Field(gt=0)
+    outer_lr: float = Field(gt=0)
+    outer_momentum: float = Field(ge=0, lt=1)
+    compression: str = "int8"
+    seed: int = Field(ge=0)
+
+    def spec_hash(self) -> str:
+        """sha256 (16 hex digits) of the canonical JSON of the spec."""
+        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def differences(self, other: "RunSpec") -> dict[str, tuple[object, object]]:
+        """Fields whose values differ: ``{name: (ours, theirs)}``."""
+        mine, theirs = self.model_dump(), other.model_dump()
+        return {k: (mine[k], theirs.get(k)) for k in mine if mine[k] != theirs.get(k)}
+
+
+class SpecMismatch(Exception):
+    """This peer's spec differs from the one the run published in the DHT."""
+
+    def __init__(self, run_id: str, differences: dict[str, tuple[object, object]]):
+        self.differences = differences
+        parts = ", ".join(f"{k}: ours={a!r} swarm={b!r}" for k, (a, b) in differences.items())
+        super().__init__(
+            f"run '{run_id}' uses a different run spec ({parts}); "
+            "pass matching flags, or choose another --run-id to start a new run"
+        )
+
+
+def parse_published_spec(raw: object) -> RunSpec | None:
+    """Validate a spec read from the DHT (untrusted bytes); ``None`` if it is malformed."""
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return RunSpec.model_validate(raw)
+    except ValidationError:
+        return None
