@@ -27,9 +27,9 @@ class RunSpec(BaseModel):
     dataset: str
     seq_len: int = Field(gt=0)
     inner_steps: int = Field(gt=0, description="H: inner steps per outer step")
-    inner_lr: float = Field(gt=0)
-    outer_lr: float = Field(gt=0)
-    outer_momentum: float = Field(ge=0, lt=1)
+    inner_lr: float = Field(gt=0, allow_inf_nan=False)
+    outer_lr: float = Field(gt=0, allow_inf_nan=False)
+    outer_momentum: float = Field(ge=0, lt=1, allow_inf_nan=False)
     compression: str = "int8"
     seed: int = Field(ge=0)
 

@@ -10,23 +10,30 @@ applies its own Δ (a solo round), never a partial or unverified average.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import math
 import hashlib
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
-from hivemind.compression import CompressionBase, Float16Compression, NoCompression
-from hivemind.utils import get_dht_time, get_logger
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression, deserialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture, get_dht_time, get_logger
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.streaming import combine_from_streaming
 
 from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner, RoundStats
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
+from diloco_swarm.utils.hivemind_fixes import keep_task_alive
 
 logger = get_logger(__name__)
 
@@ -107,6 +114,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         next_chunk_timeout: float = 10.0,
         max_norm_ratio: float = 10.0,
         client_mode: bool | None = None,
+        state_provider: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]] | None = None,
         **kwargs,
     ):
         if compression not in COMPRESSIONS:
@@ -114,6 +122,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self.compression_name = compression
         self.max_norm_ratio = max_norm_ratio
         self._round_stats: dict[str, RoundStats] = {}
+        self._state_provider = state_provider
         super().__init__(
             averaged_tensors=tensors,
             dht=dht,
@@ -127,6 +136,8 @@ class PseudoGradientAverager(DecentralizedAverager):
             next_chunk_timeout=next_chunk_timeout,
             compression=COMPRESSIONS[compression](),
             client_mode=client_mode,
+            allow_state_sharing=state_provider is not None and not client_mode,
+            declare_state_period=10.0,
             **kwargs,
         )
 
@@ -166,7 +177,71 @@ class PseudoGradientAverager(DecentralizedAverager):
         self._round_stats.clear()
         return {"gathered": gathered, "stats": dataclasses.asdict(stats)}
 
+    @keep_task_alive
+    async def _download_state_from(self, peer: str, timeout: float, max_bytes: int, future: MPFuture):
+        """Stream one donor's state (hivemind's ``rpc_download_state``), bounded in bytes and time."""
+        try:
+
+            async def fetch():
+                stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+                stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+                metadata, parts, tensors, received = None, [], [], 0
+                async for message in aiter_with_timeout(stream, timeout=timeout):
+                    received += message.ByteSize()
+                    if received > max_bytes:
+                        raise ValueError(f"donor sent more than {max_bytes} bytes")
+                    if message.metadata and metadata is None:
+                        metadata = self.serializer.loads(message.metadata)
+                    if message.tensor_part.dtype and parts:
+                        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                        parts = []
+                    parts.append(message.tensor_part)
+                if parts:
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                return metadata, tensors, received
+
+            future.set_result(await asyncio.wait_for(fetch(), timeout=4 * timeout))
+        except BaseException as e:
+            if not future.done():
+                future.set_exception(RuntimeError(_short_reason(e) if str(e) else type(e).__name__))
+
     # --- runs in the caller's process -------------------------------------------------
+    def get_current_state(self):
+        """Serve our state to a downloading peer (hivemind calls this in our process, in a thread)."""
+        if self._state_provider is None:
+            raise RuntimeError("this peer does not share its state")
+        metadata, tensors = self._state_provider()
+        return metadata, tensors, None
+
+    def donors(self) -> dict[str, float]:
+        """Peers that share their state, with their priority (= their outer step): ``{peer_id: step}``."""
+        found = self.dht.get(f"{self.prefix}.all_averagers", latest=True)
+        out: dict[str, float] = {}
+        if found is None or not isinstance(found.value, dict):
+            return out
+        for peer, item in found.value.items():
+            value = getattr(item, "value", None)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                try:
+                    out[PeerID(peer).to_base58() if isinstance(peer, bytes) else str(peer)] = float(value)
+                except Exception:
+                    continue
+        out.pop(self.peer_id.to_base58(), None)
+        return out
+
+    def download_state(self, peer: str, *, timeout: float, max_bytes: int) -> tuple[Any, list[torch.Tensor], int]:
+        """Download one donor's (metadata, tensors, bytes received).
+
+        :param timeout: seconds allowed between chunks (the whole transfer gets 4x that).
+        :param max_bytes: refuse a payload larger than this.
+        :raises RuntimeError: the donor failed, timed out or sent too much. The payload itself is
+            unchecked: the caller validates it against the run spec.
+        """
+        future = MPFuture()
+        self._outer_pipe.send(("_download_state_from", [], dict(peer=peer, timeout=timeout, max_bytes=max_bytes,
+                                                               future=future)))
+        return future.result(timeout=4 * timeout + 5)
+
     def average(
         self,
         delta: Sequence[torch.Tensor],

@@ -88,7 +88,7 @@ def encode(values: torch.Tensor, blocksize: int = BLOCKSIZE) -> bytes:
 
     :param values: any shape, float dtype (converted to fp32 on the CPU), finite values only.
     :param blocksize: values per absmax scale; one of 64..4096 (powers of two).
-    :returns: ``14 + 4 * ceil(n / blocksize) + n`` bytes for ``n = values.numel()``.
+    :returns: ``16 + 4 * ceil(n / blocksize) + n`` bytes for ``n = values.numel()``.
     :raises CodecError: non-finite values, a non-float dtype or an unsupported blocksize.
     """
     if blocksize not in _ALLOWED_BLOCKSIZES:
@@ -107,7 +107,7 @@ def encode(values: torch.Tensor, blocksize: int = BLOCKSIZE) -> bytes:
     absmax = state.absmax.to(torch.float32).numpy()
     if _fault_nonfinite_scales:
         absmax = np.full_like(absmax, np.nan)
-    return b"".join((header, absmax.tobytes(), codes.numpy().tobytes()))
+    return b"".join((header, absmax.astype("<f4").tobytes(), codes.numpy().tobytes()))
 
 
 def decode(buffer: bytes, expected_numel: int | None = None) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(
     name="diloco-node",
@@ -55,7 +56,9 @@ class Compression(str, Enum):
 
 
 def fail(message: str, code: int = USAGE_ERROR) -> "typer.Exit":
-    err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    """Print ``error: message`` as one line on stderr; return the ``typer.Exit`` to raise."""
+    one_line = " ".join(str(message).split())  # paths, globs and peer errors may hold newlines or [brackets]
+    err.print(f"[bold red]error:[/] {escape(one_line)}", soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -125,7 +128,13 @@ def join(
         )
     except ValidationError as e:
         first = e.errors()[0]
-        raise fail(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}")
+        field = str(first["loc"][0]) if first.get("loc") else "run spec"
+        if field == "run_id":
+            raise fail(
+                f"--run-id {run_id!r} is not a valid run id: use 1 to 64 letters, digits, '-' or '_', "
+                "starting with a letter or digit"
+            )
+        raise fail(f"--{field.replace('_', '-')} {first.get('input')!r}: {first['msg']}")
     from diloco_swarm.dht.swarm import SwarmError, parse_initial_peers
 
     try:
@@ -191,10 +200,55 @@ def demo(
     raise typer.Exit(code)
 
 
-def main() -> None:
-    """Console-script entry point."""
+def _cli_exception_types() -> tuple[type[BaseException], ...]:
+    """Usage/parameter errors of typer (which vendors click since 0.2x) and of click itself."""
+    types: list[type[BaseException]] = [getattr(typer, "TyperException", None)]
     try:
-        app()
-    except KeyboardInterrupt:
+        import click
+
+        types.append(click.ClickException)
+    except ImportError:
+        pass
+    return tuple(t for t in types if t is not None)
+
+
+def _abort_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [KeyboardInterrupt, getattr(typer, "Abort", None)]
+    try:
+        import click
+
+        types.append(click.Abort)
+    except ImportError:
+        pass
+    return tuple(t for t in types if t is not None)
+
+
+def main() -> None:
+    """Console-script entry point. ``kill -USR1 <pid>`` prints every thread's stack (for hangs)."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # standalone_mode=False: usage errors come back to us, and each becomes one `error:` line
+    # (click/typer would print a multi-line box that wraps the message).
+    try:
+        code = app(standalone_mode=False)
+    except _cli_exception_types() as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `diloco-node`: show the help
+            e.show()
+        else:
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            fail(f"{e.format_message()}{hint}")
+        sys.exit(getattr(e, "exit_code", USAGE_ERROR))
+    except _abort_types():
         err.print("interrupted")
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+from diloco_swarm.cli.status import status  # noqa: E402
+from diloco_swarm.cli.dashboard import dashboard  # noqa: E402
+
+app.command()(status)
+app.command()(dashboard)

@@ -22,6 +22,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from diloco_swarm.spec import RunSpec, SpecMismatch
+from diloco_swarm.utils import hivemind_fixes  # noqa: F401  (patches hivemind before any DHT forks)
 
 SPEC_TTL_S = 3600.0
 PROGRESS_TTL_S = 300.0

@@ -5,12 +5,17 @@ A write goes to a temp file, is fsynced, the current file is hard-linked to the 
 and the temp file is renamed over the current one; then the directory is fsynced. At every
 instant ``checkpoint.pt`` is a complete file, and nothing good is ever deleted by a failed
 write. Files are read with ``torch.load(weights_only=True)``: plain tensors and numbers only.
+A state that this loader would refuse is rejected at save time (the new file is read back,
+memory-mapped, before it replaces anything), never discovered at the next start.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -35,23 +40,31 @@ def save_checkpoint(state_dir: Path, state: dict[str, Any]) -> Path:
     :param state: tensors, numbers, strings, lists and dicts of those.
     :returns: the checkpoint path.
     :raises OSError: the disk write failed (the previous checkpoint is untouched).
+    :raises TypeError: ``state`` holds objects that ``torch.load(weights_only=True)`` refuses
+        (nothing is written; the previous checkpoint is untouched).
     """
     state_dir.mkdir(parents=True, exist_ok=True)
     target = state_dir / CHECKPOINT_NAME
     fd, tmp_name = tempfile.mkstemp(prefix=".checkpoint.", suffix=".tmp", dir=state_dir)
+    prev_tmp = state_dir / f".{PREVIOUS_NAME}.tmp"
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save({"format_version": FORMAT_VERSION, **state}, f)
             f.flush()
             os.fsync(f.fileno())
+        _check_loadable(Path(tmp_name))
         if target.exists():
-            prev_tmp = state_dir / f".{PREVIOUS_NAME}.tmp"
             prev_tmp.unlink(missing_ok=True)
-            os.link(target, prev_tmp)
+            try:
+                os.link(target, prev_tmp)
+            except OSError:  # a filesystem without hard links (FAT, some network mounts): copy
+                shutil.copyfile(target, prev_tmp)
+                _fsync_file(prev_tmp)
             os.replace(prev_tmp, state_dir / PREVIOUS_NAME)
         os.replace(tmp_name, target)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
+        prev_tmp.unlink(missing_ok=True)
         raise
     dir_fd = os.open(state_dir, os.O_RDONLY)
     try:
@@ -59,6 +72,36 @@ def save_checkpoint(state_dir: Path, state: dict[str, Any]) -> Path:
     finally:
         os.close(dir_fd)
     return target
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _check_loadable(path: Path) -> None:
+    """Read ``path`` back as :func:`load_checkpoint` will (memory-mapped: cheap for big tensors).
+
+    :raises TypeError: the restricted loader refuses an object in the file.
+    """
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise TypeError(f"checkpoint state cannot be loaded back with weights_only=True ({_reason(e)})") from None
+    del loaded
+
+
+def _reason(e: BaseException) -> str:
+    """A short, single-line account of why ``torch.load`` failed."""
+    text = str(e)
+    found = re.search(r"GLOBAL ([\w.]+)", text)  # torch's weights_only refusal names the class
+    if found:
+        return f"it holds a {found.group(1)}, not only tensors, numbers, strings, lists and dicts"
+    if "Weights only load failed" in text:
+        details = [line.split("WeightsUnpickler error:", 1)[1] for line in text.splitlines() if "WeightsUnpickler error:" in line]
+        return (details[0].strip() if details else "it holds objects that weights_only=True refuses")[:120]
+    first = text.strip().splitlines()[0].strip() if text.strip() else type(e).__name__
+    return first[:120]
 
 
 def load_checkpoint(path: Path) -> dict[str, Any] | None:
@@ -76,8 +119,13 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
     )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({e.strerror or type(e).__name__}); {how_to}") from None
     except Exception as e:
-        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        if not zipfile.is_zipfile(path):
+            reason = "not a complete PyTorch file"
+        else:
+            reason = _reason(e)
         raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({reason}); {how_to}") from None
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} is not a diloco-swarm checkpoint of format {FORMAT_VERSION}; {how_to}")

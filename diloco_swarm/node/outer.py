@@ -27,12 +27,29 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def pseudo_gradient(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
-        """Δ = θ_global − θ_local, fp32 CPU tensors shaped like the parameters."""
+        """Δ = θ_global − θ_local, fp32 CPU tensors shaped like the parameters.
+
+        :raises ValueError: ``params`` are not this model's (count or shapes differ).
+        """
+        params = list(params)
+        self._check_like_theta(params, "the parameters")
         return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self.theta, params)]
+
+    def _check_like_theta(self, tensors: Sequence[torch.Tensor], what: str) -> None:
+        if len(tensors) != len(self.theta):
+            raise ValueError(f"{what}: {len(tensors)} tensors, θ_global has {len(self.theta)}")
+        for i, (t, theta) in enumerate(zip(tensors, self.theta)):
+            if not isinstance(t, torch.Tensor) or t.shape != theta.shape:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{what}: tensor {i} has shape {shape}, θ_global's is {tuple(theta.shape)}")
 
     @torch.no_grad()
     def step(self, delta: Sequence[torch.Tensor]) -> None:
-        """One outer step on θ_global with grad = ``delta`` (fp32, parameter shapes)."""
+        """One outer step on θ_global with grad = ``delta`` (fp32, parameter shapes).
+
+        :raises ValueError: ``delta`` has another count or shapes than θ_global (nothing changes).
+        """
+        self._check_like_theta(delta, "the outer gradient")
         for theta, d in zip(self.theta, delta):
             theta.grad = d.to(torch.float32).clone()
         self.optimizer.step()
@@ -45,15 +62,44 @@ class OuterOptimizer:
         for p, theta in zip(params, self.theta):
             p.copy_(theta.to(device=p.device, dtype=p.dtype))
 
+    def momentum_buffers(self) -> list[torch.Tensor]:
+        """The outer momentum of each θ_global tensor (zeros before the first outer step), fp32 CPU."""
+        out = []
+        for theta in self.theta:
+            buf = self.optimizer.state.get(theta, {}).get("momentum_buffer")
+            out.append(buf.clone() if buf is not None else torch.zeros_like(theta))
+        return out
+
+    @torch.no_grad()
+    def load_theta_and_momentum(self, theta: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]) -> None:
+        """Adopt another peer's θ_global and outer momentum (a state download). Shapes must match."""
+        if len(theta) != len(self.theta) or len(momentum) != len(self.theta):
+            raise ValueError("state has a different number of tensors than this model")
+        if any(t.shape != mine.shape or m.shape != mine.shape for mine, t, m in zip(self.theta, theta, momentum)):
+            raise ValueError("state has other shapes than this model")  # checked before anything changes
+        for mine, t, m in zip(self.theta, theta, momentum):
+            mine.copy_(t)
+            if self.optimizer.defaults["momentum"] > 0:
+                self.optimizer.state[mine]["momentum_buffer"] = m.to(torch.float32).clone()
+
     def state_dict(self) -> dict[str, Any]:
         return {"theta": [t.clone() for t in self.theta], "optimizer": self.optimizer.state_dict()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """:raises ValueError: shapes differ from this model's."""
+        """:raises ValueError: shapes differ from this model's (nothing is changed then)."""
         theta = state["theta"]
-        if len(theta) != len(self.theta) or any(a.shape != b.shape for a, b in zip(theta, self.theta)):
+        if len(theta) != len(self.theta) or any(
+            not isinstance(a, torch.Tensor) or a.shape != b.shape for a, b in zip(theta, self.theta)
+        ):
             raise ValueError("θ_global in the state has other shapes than this model")
+        # Check the momentum too before changing anything: a bad buffer would only fail at the next step.
+        for index, param_state in dict(state["optimizer"].get("state", {})).items():
+            buf = param_state.get("momentum_buffer") if isinstance(param_state, dict) else None
+            if not isinstance(index, int) or not 0 <= index < len(self.theta) or (
+                buf is not None and (not isinstance(buf, torch.Tensor) or buf.shape != self.theta[index].shape)
+            ):
+                raise ValueError("the outer momentum in the state has other shapes than this model")
         for mine, theirs in zip(self.theta, theta):
             mine.copy_(theirs)
         self.optimizer.load_state_dict(state["optimizer"])

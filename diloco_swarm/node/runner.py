@@ -15,12 +15,13 @@ all-reduce timeout.
 from __future__ import annotations
 
 import contextlib
-import math
 import multiprocessing as mp
 import os
+import random
 import signal
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ from diloco_swarm.node.outer import OuterOptimizer
 from diloco_swarm.node.report import MetricsWriter, StatusLine
 
 WARMUP_INNER_STEPS = 50
+MAX_DONOR_TRIES = 4
+STATE_CHUNK_TIMEOUT_S = 10.0
 
 
 class NodeError(Exception):
@@ -114,7 +117,9 @@ class Node:
         self.lock = None
         self.metrics = MetricsWriter(config.metrics_file)
         self.failed_rounds = 0
+        self.state_syncs = 0
         self.last_round: dict[str, Any] | None = None
+        self._state_lock = threading.Lock()  # θ_global is read by the donation thread
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -182,7 +187,10 @@ class Node:
             allreduce_timeout=cfg.allreduce_timeout,
             max_norm_ratio=cfg.max_norm_ratio,
             client_mode=cfg.client_mode,
+            state_provider=self._state_for_donation,
         )
+        if not cfg.client_mode:
+            self.averager.state_sharing_priority = float(self.outer_step)
         addrs = visible_maddrs(self.dht)
         self.status.log(
             f"peer {self.peer_id} | run '{spec.run_id}' | model {spec.model} "
@@ -215,6 +223,140 @@ class Node:
                 "move it away to start fresh"
             ) from None
         self.outer.copy_to(self.params)
+
+    # ------------------------------------------------------------------ state transfer
+    def _state_for_donation(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """(metadata, θ_global tensors + outer momentum tensors), a consistent snapshot."""
+        with self._state_lock:
+            theta = [t.clone() for t in self.outer.theta]
+            momentum = self.outer.momentum_buffers()
+            step = self.outer_step
+        meta = {"outer_step": step, "spec_hash": self.spec.spec_hash(), "theta_digest": _theta_digest(theta),
+                "peer_id": self.peer_id}
+        return meta, theta + momentum
+
+    def _check_state(self, meta: Any, tensors: list[torch.Tensor], min_step: int) -> str | None:
+        """Why a downloaded state is unusable, or None. The donor is untrusted."""
+        n = len(self.outer.theta)
+        if not isinstance(meta, dict):
+            return "no metadata"
+        if meta.get("spec_hash") != self.spec.spec_hash():
+            return "it belongs to another run spec"
+        step = meta.get("outer_step")
+        if not isinstance(step, int) or step < min_step:
+            return f"its outer step {step!r} is older than {min_step}"
+        if len(tensors) != 2 * n:
+            return f"{len(tensors)} tensors instead of {2 * n}"
+        for t, ref in zip(tensors, self.outer.theta + self.outer.theta):
+            if t.shape != ref.shape or t.dtype != torch.float32:
+                return "tensor shapes or dtypes differ from this model"
+            if not torch.isfinite(t).all():
+                return "non-finite values"
+        if _theta_digest(tensors[:n]) != meta.get("theta_digest"):
+            return "θ_global does not match its digest"
+        return None
+
+    def _sync_state(self, *, min_step: int, reason: str, candidates: list[str] | None = None,
+                    attempts: int = 1) -> bool:
+        """Download θ_global, outer momentum and outer step from a live peer.
+
+        Donors: ``candidates`` if given, else the most advanced peers that share state (a random
+        one first, so no single donor is choked), then the others. Each payload is checked
+        against the run spec before use; a failed or bad donor is skipped.
+        :returns: True when a state was adopted.
+        """
+        max_bytes = 2 * sum(t.numel() for t in self.outer.theta) * 4 + (1 << 20)
+        t0 = time.monotonic()
+        for attempt in range(attempts):
+            if self.stop.requested:
+                return False
+            if candidates is not None:
+                order = [p for p in candidates if p != self.peer_id]
+                random.shuffle(order)
+            else:
+                donors = {p: s for p, s in self.averager.donors().items() if s >= min_step}
+                if not donors:
+                    return False
+                best = max(donors.values())
+                top = [p for p, s in donors.items() if s == best]
+                rest = sorted((p for p in donors if donors[p] != best), key=lambda p: -donors[p])
+                random.shuffle(top)
+                order = top + rest
+            for peer in order[:MAX_DONOR_TRIES]:
+                try:
+                    meta, tensors, received = self.averager.download_state(
+                        peer, timeout=STATE_CHUNK_TIMEOUT_S, max_bytes=max_bytes
+                    )
+                except Exception as e:
+                    self.status.log(f"state download from {peer} failed: {e}")
+                    continue
+                problem = self._check_state(meta, tensors, min_step)
+                if problem is not None:
+                    if "older than" not in problem:
+                        self.status.log(f"refused the state of {peer}: {problem}")
+                    continue
+                n = len(self.outer.theta)
+                with self._state_lock:
+                    before = self.outer_step
+                    self.outer.load_theta_and_momentum(tensors[:n], tensors[n:])
+                    self.outer.copy_to(self.params)
+                    self.outer_step = meta["outer_step"]
+                self._checkpoint()
+                self.state_syncs += 1
+                seconds = time.monotonic() - t0
+                self.clock.other_s += seconds
+                self.metrics.write({"event": "state_sync", "peer_id": self.peer_id, "donor": peer,
+                                    "reason": reason, "from_outer_step": before, "outer_step": self.outer_step,
+                                    "bytes": received, "seconds": round(seconds, 3),
+                                    "theta_digest": meta["theta_digest"]})
+                self.status.log(f"state sync ({reason}): outer step {before} -> {self.outer_step} from {peer} "
+                                f"({received / 1e6:.1f} MB in {seconds:.1f}s)")
+                return True
+            if attempt + 1 < attempts:
+                time.sleep(0.5)
+        return False
+
+    def _join_sync(self) -> None:
+        """Late joiner: adopt the state of the most advanced peer if it is ahead of ours."""
+        if not self.cfg.initial_peers:
+            return
+        deadline = time.monotonic() + 5.0
+        donors: dict[str, float] = {}
+        while not donors and time.monotonic() < deadline and not self.stop.requested:
+            donors = self.averager.donors()
+            if not donors:
+                time.sleep(0.5)
+        if not donors:
+            self.status.log("no peer shares its state yet: starting from " +
+                            ("our checkpoint" if self.outer_step else "the initial weights"))
+            return
+        newest = int(max(donors.values()))
+        if newest > self.outer_step and not self._sync_state(min_step=newest, reason="join", attempts=3):
+            self.status.log(f"could not download the swarm's state (outer step {newest}); "
+                            f"continuing from outer step {self.outer_step}")
+
+    def _reconcile(self, gathered: dict[str, Any], mine: tuple[int, str]) -> None:
+        """After a round: if the group's members started it from different θ_global, the
+        members not holding the canonical one (newest outer step, then most members, then
+        digest order) re-sync from one that does; and a peer more than one outer step behind
+        the swarm's newest re-syncs too (lagging peer)."""
+        entries: dict[str, tuple[int, str]] = {}
+        for peer, meta in gathered.items():
+            if isinstance(meta, dict) and isinstance(meta.get("outer_step"), int) and isinstance(
+                meta.get("theta_digest"), str
+            ):
+                entries[peer] = (meta["outer_step"], meta["theta_digest"])
+        entries[self.peer_id] = mine
+        if len(set(entries.values())) > 1:
+            votes = Counter(entries.values())
+            canonical = max(votes, key=lambda e: (e[0], votes[e], e[1]))
+            if mine != canonical:
+                holders = [p for p, e in entries.items() if e == canonical]
+                self._sync_state(min_step=canonical[0] + 1, reason="diverged", candidates=holders, attempts=6)
+                return
+        donors = self.averager.donors()
+        if donors and max(donors.values()) > self.outer_step + 1:
+            self._sync_state(min_step=int(max(donors.values())), reason="lagging")
 
     def _checkpoint(self) -> None:
         save_checkpoint(
@@ -285,8 +427,9 @@ class Node:
             force=force,
         )
 
-    def _average(self, delta: list[torch.Tensor], tokens: int, loss: float | None):
-        metadata = {"outer_step": self.outer_step, "tokens": tokens, "spec_hash": self.spec.spec_hash()}
+    def _average(self, delta: list[torch.Tensor], tokens: int, theta_digest: str):
+        metadata = {"outer_step": self.outer_step, "tokens": tokens, "spec_hash": self.spec.spec_hash(),
+                    "theta_digest": theta_digest}
         if self.cfg.fault == "huge":
             delta = [d * 1e6 for d in delta]
         return self.averager.average(
@@ -308,6 +451,7 @@ class Node:
         self.clock.started = time.monotonic()
         try:
             self._setup()
+            self._join_sync()
             initial_eval = evaluate(self.model, self.eval_set, self.device)
             self.metrics.write({"event": "eval", "peer_id": self.peer_id, "outer_step": self.outer_step,
                                 "eval_loss": initial_eval})
@@ -327,15 +471,21 @@ class Node:
                     )
                 t0 = time.monotonic()
                 self._status(force=False, phase="averaging")
-                result, avg = self._average(delta, tokens, loss)
+                mine = (self.outer_step, _theta_digest(self.outer.theta))
+                result, avg = self._average(delta, tokens, mine[1])
                 self.clock.averaging_s += time.monotonic() - t0
                 if not result.ok:
                     self.failed_rounds += 1
-                self.outer.step(avg)
-                self.outer.copy_to(self.params)
-                self.outer_step += 1
+                with self._state_lock:
+                    self.outer.step(avg)
+                    self.outer.copy_to(self.params)
+                    self.outer_step += 1
                 self.tokens_total += tokens
                 self._checkpoint()
+                if not self.cfg.client_mode:
+                    self.averager.state_sharing_priority = float(self.outer_step)
+                if result.gathered and not self.stop.requested:
+                    self._reconcile(result.gathered, mine)
                 eval_loss = evaluate(self.model, self.eval_set, self.device)
                 with contextlib.suppress(Exception):
                     publish_progress(self.dht, self.spec.run_id, self.peer_id, self.outer_step)
@@ -367,6 +517,7 @@ class Node:
                     "rejected_peers": result.rejected_peers,
                     "digest_confirmed_by": result.agreed_peers,
                     "failed_rounds": self.failed_rounds,
+                    "state_syncs": self.state_syncs,
                     "theta_digest": _theta_digest(self.outer.theta),
                     "inner_s": round(self.clock.inner_s, 3),
                     "wall_s": round(time.monotonic() - self.clock.started, 3),
@@ -379,6 +530,9 @@ class Node:
                         self.status.log(f"outer step {self.outer_step}: peer {peer} was refused: {why}")
             self.metrics.write({"event": "stop", "peer_id": self.peer_id, "outer_step": self.outer_step,
                                 "graceful": True, "goodput": round(self.clock.goodput(), 4)})
+            if self.averager is not None and not self.cfg.client_mode:
+                with contextlib.suppress(Exception):
+                    self.averager.allow_state_sharing = False  # publishes "no longer a donor"
             if self.dht is not None:
                 with contextlib.suppress(Exception):
                     remove_progress(self.dht, self.spec.run_id, self.peer_id)

@@ -1,0 +1,170 @@
+"""``codec``: quantize + dequantize throughput and relative error of the pseudo-gradient codecs.
+
+Codecs, all on fp32 CPU tensors:
+
+- ``int8 blockwise (ours)``: ``diloco_swarm.averaging.codec.encode`` / ``decode`` (bitsandbytes
+  blockwise dynamic code, absmax per block), bytes in and out, with all its checks;
+- ``fp16``: ``tensor.half()`` / ``.float()``;
+- ``hivemind Uniform8Bit``: ``hivemind.compression.Uniform8BitQuantization`` through its
+  ``CompressionBase`` API (``compress(tensor, CompressionInfo.from_tensor(tensor))`` / ``extract``).
+  Its ``extract`` raises ``TypeError`` under numpy 2 in hivemind 1.1.12 (``int()`` of a 1-element
+  array, the same bug as ``BlockwiseQuantization``); when it does, the benchmark times a copy of
+  that method with the one-line fix and says so.
+
+Throughput = fp32 input bytes (4·n) / seconds, median of the repeats; error = RMSE / RMS of the
+input, on Gaussian values and on "mixed-scale" values (blocks of 65,536 values whose scales span
+1e-5..1e-2, like a flat pseudo-gradient over layers of different magnitudes).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from bench.common import human_count, md_table, median, timed
+
+SIZES = {
+    "smoke": {"values": [100_000], "repeats": 2},
+    "quick": {"values": [1_000_000], "repeats": 3},
+    "full": {"values": [1_000_000, 10_000_000, 50_000_000], "repeats": 5},
+}
+
+
+def _codecs() -> dict[str, dict[str, Any]]:
+    from hivemind.compression import CompressionInfo, Uniform8BitQuantization
+
+    from diloco_swarm.averaging import codec as ours
+
+    hm = Uniform8BitQuantization()
+    patched = {"extract_patched": False, "extract_error": ""}
+
+    def hm_extract_fixed(serialized):
+        # hivemind 1.1.12 Quantization.extract with int(...) of a 1-element array replaced by .item()
+        buf = serialized.buffer
+        codebook_size = int(np.frombuffer(buf, count=1, dtype=np.int64)[0])
+        codebook = np.frombuffer(buf, offset=8, count=codebook_size, dtype=hm.codebook_dtype)
+        quantized = np.frombuffer(buf, offset=8 + codebook.nbytes, dtype=hm.indices_dtype)
+        quantized = torch.as_tensor(quantized, dtype=torch.int64).reshape(tuple(serialized.size))
+        return torch.as_tensor(codebook).to(dtype=getattr(torch, serialized.dtype))[quantized]
+
+    probe = torch.randn(1000)
+    try:
+        hm.extract(hm.compress(probe, CompressionInfo.from_tensor(probe)))
+        hm_extract = hm.extract
+    except TypeError as e:
+        patched = {"extract_patched": True, "extract_error": f"TypeError: {e}"}
+        hm_extract = hm_extract_fixed
+
+    return {
+        "int8 blockwise (ours)": {
+            "encode": lambda t: ours.encode(t),
+            "decode": lambda b, n: ours.decode(b, expected_numel=n),
+            "size": len,
+            "note": f"blocksize {ours.BLOCKSIZE}",
+        },
+        "fp16": {
+            "encode": lambda t: t.half(),
+            "decode": lambda h, n: h.float(),
+            "size": lambda h: h.numel() * 2,
+            "note": "",
+        },
+        "hivemind Uniform8Bit": {
+            "encode": lambda t: hm.compress(t, CompressionInfo.from_tensor(t)),
+            "decode": lambda s, n: hm_extract(s),
+            "size": lambda s: len(s.buffer),
+            "note": "extract patched (numpy 2 TypeError)" if patched["extract_patched"] else "",
+            **patched,
+        },
+    }
+
+
+def _mixed_scale(n: int, g: torch.Generator) -> torch.Tensor:
+    x = torch.randn(n, generator=g)
+    block = 65_536
+    n_blocks = math.ceil(n / block)
+    scales = 10 ** (torch.rand(n_blocks, generator=g) * 3 - 5)  # 1e-5 .. 1e-2
+    return (x.view(-1)[: n] * scales.repeat_interleave(block)[:n])
+
+
+def _rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
+    x64, y64 = x.double(), y.reshape(x.shape).double()
+    return float((x64 - y64).pow(2).mean().sqrt() / x64.pow(2).mean().sqrt())
+
+
+def run(size: str) -> dict[str, Any]:
+    cfg = SIZES[size]
+    codecs = _codecs()
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for n in cfg["values"]:
+        gauss = torch.randn(n, generator=g).mul_(1e-3)
+        mixed = _mixed_scale(n, g)
+        for name, c in codecs.items():
+            enc: Callable = c["encode"]
+            dec: Callable = c["decode"]
+            enc(gauss[:1024].clone())  # warm-up (lazy imports, code tables)
+            enc_times, encoded = timed(lambda: enc(gauss), cfg["repeats"])
+            dec_times, decoded = timed(lambda: dec(encoded, n), cfg["repeats"])
+            rt = [a + b for a, b in zip(enc_times, dec_times)]
+            err_gauss = _rel_err(gauss, decoded)
+            err_mixed = _rel_err(mixed, dec(enc(mixed), n))
+            gb = 4 * n / 1e9
+            rows.append({
+                "codec": name,
+                "values": n,
+                "note": c["note"],
+                "repeats": cfg["repeats"],
+                "encode_s": enc_times,
+                "decode_s": dec_times,
+                "encode_gbps": gb / median(enc_times),
+                "decode_gbps": gb / median(dec_times),
+                "roundtrip_gbps": gb / median(rt),
+                "bytes_per_value": c["size"](encoded) / n,
+                "rel_err_gaussian": err_gauss,
+                "rel_err_mixed_scale": err_mixed,
+            })
+            del encoded, decoded
+    hm = codecs["hivemind Uniform8Bit"]
+    return {"torch_threads": torch.get_num_threads(), "hivemind_extract_patched": hm["extract_patched"],
+            "hivemind_extract_error": hm["extract_error"], "rows": rows}
+
+
+def render(result: dict[str, Any], docs_dir: Path) -> str:
+    rows = result["rows"]
+    table = [[r["codec"], human_count(r["values"]), f"{r['roundtrip_gbps']:.3f}", f"{r['encode_gbps']:.3f}",
+              f"{r['decode_gbps']:.3f}", f"{r['bytes_per_value']:.4f}", f"{r['rel_err_gaussian']:.2e}",
+              f"{r['rel_err_mixed_scale']:.2e}"] for r in rows]
+    md = [
+        f"Quantize + dequantize of one fp32 CPU tensor, median of {rows[0]['repeats']} repeats, "
+        f"torch threads = {result['torch_threads']}. GB/s are of fp32 input (4 bytes per value). Error = "
+        "RMSE / RMS of the input, on Gaussian values and on mixed-scale values (blocks of 65,536 values with "
+        "scales 1e-5..1e-2, like a flat pseudo-gradient over layers of different magnitudes).\n",
+        md_table(["codec", "values", "round trip GB/s", "encode GB/s", "decode GB/s", "bytes/value",
+                  "rel. error (Gaussian)", "rel. error (mixed scale)"], table),
+    ]
+    if result.get("hivemind_extract_patched"):
+        md.append(f"\nhivemind 1.1.12's `Uniform8BitQuantization.extract` fails under numpy 2 "
+                  f"(`{result['hivemind_extract_error']}`), so its decode was timed with a copy of that method "
+                  "fixed in one line (`int(arr[0])`); a swarm using hivemind's uniform 8-bit codec would fail "
+                  "every round here, like `BlockwiseQuantization` (see DESIGN.md).\n")
+    ours = {r["values"]: r for r in rows if r["codec"].startswith("int8")}
+    fp16 = {r["values"]: r for r in rows if r["codec"] == "fp16"}
+    hm = {r["values"]: r for r in rows if r["codec"].startswith("hivemind")}
+    lines = []
+    for n in sorted(ours):
+        parts = []
+        if n in fp16:
+            parts.append(f"fp16 round trip {fp16[n]['roundtrip_gbps'] / ours[n]['roundtrip_gbps']:.1f}× faster "
+                         f"than ours")
+        if n in hm:
+            parts.append(f"ours {hm[n]['roundtrip_gbps'] and ours[n]['roundtrip_gbps'] / hm[n]['roundtrip_gbps']:.1f}× "
+                         f"the speed of hivemind Uniform8Bit, with "
+                         f"{hm[n]['rel_err_mixed_scale'] / ours[n]['rel_err_mixed_scale']:.1f}× less error on "
+                         "mixed-scale values")
+        lines.append(f"- {human_count(n)} values: " + "; ".join(parts) + ".")
+    md.append("\nSide by side (same run):\n\n" + "\n".join(lines) + "\n")
+    return "\n".join(md)

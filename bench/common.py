@@ -1,0 +1,185 @@
+"""Shared helpers: provenance of a result, JSON files, medians, formatting."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "bench" / "out"
+DEFAULT_DOC = REPO / "docs" / "benchmarks.md"
+
+# size levels, smallest first; a result of a lower level never replaces a doc section of a higher one
+SIZES = ("smoke", "quick", "full")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mem_total_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for mod in ("torch", "hivemind", "bitsandbytes", "numpy"):
+        try:
+            from importlib.metadata import version
+
+            out[mod] = version(mod)
+        except Exception:
+            out[mod] = "?"
+    return out
+
+
+def _git() -> dict[str, Any]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "diloco_swarm"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return {"commit": commit or "?", "diloco_swarm_dirty": bool(dirty)}
+    except Exception:
+        return {"commit": "?", "diloco_swarm_dirty": None}
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def provenance(command: str) -> dict[str, Any]:
+    """Where a figure came from: command, date, hardware, software versions, machine load."""
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "command": command,
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": affinity,
+        "mem_total_gib": _mem_total_gib(),
+        "versions": _versions(),
+        "git": _git(),
+        "loadavg_start": loadavg(),
+    }
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    argv = sys.argv[1:] if argv is None else argv
+    return "python -m bench " + " ".join(shlex.quote(a) for a in argv)
+
+
+def result_path(out_dir: Path, name: str, size: str) -> Path:
+    return out_dir / (f"{name}.json" if size == "full" else f"{name}.{size}.json")
+
+
+def save_result(out_dir: Path, name: str, size: str, result: dict[str, Any]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = result_path(out_dir, name, size)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1, sort_keys=False, default=str) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load_best_result(out_dir: Path, name: str) -> tuple[dict[str, Any], Path] | None:
+    """The result of the largest size present for ``name`` (full > quick > smoke)."""
+    for size in reversed(SIZES):
+        path = result_path(out_dir, name, size)
+        if path.exists():
+            try:
+                return json.loads(path.read_text()), path
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+def median(xs) -> float:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> tuple[list[float], Any]:
+    """Wall seconds of ``repeats`` calls of ``fn`` (perf_counter), and the last return value."""
+    times, value = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        value = fn()
+        times.append(time.perf_counter() - t0)
+    return times, value
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def human_count(n: float) -> str:
+    if n >= 1e6:
+        return f"{n / 1e6:g}M"
+    if n >= 1e3:
+        return f"{n / 1e3:g}k"
+    return f"{n:g}"
+
+
+def provenance_md(result: dict[str, Any], source: Path | str) -> str:
+    """A few lines saying where a section's figures came from."""
+    p = result["provenance"]
+    v = p["versions"]
+    size = result.get("size", "?")
+    git = p.get("git", {})
+    dirty = " (diloco_swarm/ had uncommitted edits)" if git.get("diloco_swarm_dirty") else ""
+    elapsed = result.get("elapsed_s")
+    lines = [
+        f"*Source:* `{p['command']}` → `{_rel(source)}` (size: **{size}**), {p['date_utc']}, "
+        f"took {elapsed:.0f} s." if elapsed is not None else f"*Source:* `{p['command']}` → `{_rel(source)}`",
+        f"*Machine:* {p['cpu_model']}, {p['cpus_usable']} usable CPU(s) of {p['cpu_count']}, "
+        f"{p['mem_total_gib']} GiB RAM, {p['platform']}; load average at start {p.get('loadavg_start')}, "
+        f"at end {result.get('loadavg_end')} (a shared machine: compare figures within one table, not across runs).",
+        f"*Software:* Python {v['python']}, torch {v['torch']}, hivemind {v['hivemind']}, "
+        f"bitsandbytes {v['bitsandbytes']}, numpy {v['numpy']}; repo commit {git.get('commit', '?')}{dirty}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _rel(path: Path | str) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def md_table(headers: list[str], rows: list[list[Any]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for row in rows:
+        out.append("| " + " | ".join(str(c) for c in row) + " |")
+    return "\n".join(out) + "\n"

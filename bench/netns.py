@@ -1,0 +1,238 @@
+"""``netns``: compute utilization of real ``diloco-node join`` processes behind a 100 Mbit/s link.
+
+Each node runs in its own Linux network namespace, joined by a veth pair to a bridge in a hub
+namespace (a star). With the link limit on, a ``tc tbf`` qdisc caps both directions of every
+peer's link (peer egress = upload, hub egress toward the peer = download). Addresses are
+10.123.0.1..n inside these namespaces only; everything is deleted in ``finally``.
+
+Compute utilization = inner-step seconds / wall seconds, from the node's own metrics JSONL
+(``inner_s``, ``wall_s``, cumulative, one record per outer step). *Steady* uses the differences
+between the first and the last outer-step record (start-up, data loading and the first
+matchmaking excluded); *overall* is the last record's ``goodput`` (``inner_s / wall_s`` since start).
+
+``tc netem`` (delay, loss) is probed: when the kernel lacks it, no latency is added and the
+report says so. Churn is not measured yet (a TODO in the report, never a made-up figure).
+If ``ip netns add`` is refused, the nodes run on 127.0.0.1 without any link limit and the report says so.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO, human_bytes, md_table
+
+SIZES = {
+    "smoke": {"peers": 2, "model": "tiny", "H": 2, "seq_len": 32, "batch": 2, "outer_steps": 2,
+              "runs": [("100mbit", "100mbit", "fp16")], "max_bytes": 200_000, "timeout": 240},
+    "quick": {"peers": 4, "model": "tiny", "H": 10, "seq_len": 64, "batch": 4, "outer_steps": 3,
+              "runs": [("no limit", None, "int8"), ("100mbit", "100mbit", "int8")], "max_bytes": 1_000_000,
+              "timeout": 400},
+    "full": {"peers": 4, "model": "small", "H": 10, "seq_len": 64, "batch": 4, "outer_steps": 5,
+             "runs": [("no limit", None, "int8"), ("100mbit", "100mbit", "int8"), ("100mbit", "100mbit", "fp32")],
+             "max_bytes": 4_000_000, "timeout": 900},
+}
+MATCHMAKING_S = 2.0
+AVERAGING_WINDOW_S = 60.0
+
+
+def _read_events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def _node_cmd(cfg, tag: str, compression: str, host: str, state: Path, metrics: Path, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "diloco_swarm", "join",
+            "--run-id", f"bench-netns-{tag}", "--host", host, "--model", cfg["model"],
+            "--inner-steps", str(cfg["H"]), "--seq-len", str(cfg["seq_len"]), "--batch-size", str(cfg["batch"]),
+            "--max-outer-steps", str(cfg["outer_steps"]), "--compression", compression,
+            "--matchmaking-time", str(MATCHMAKING_S), "--averaging-window", str(AVERAGING_WINDOW_S),
+            "--target-group-size", str(cfg["peers"]), "--max-dataset-bytes", str(cfg["max_bytes"]),
+            "--device", "cpu", "--threads", "1",
+            "--state-dir", str(state), "--metrics-file", str(metrics), *extra]
+
+
+def _run_swarm(cfg, tag: str, compression: str, placements: list[tuple[list[str], str]], workdir: Path,
+               counters) -> dict[str, Any]:
+    """Start the nodes (node 0 first, the others bootstrap from it), wait, collect metrics."""
+    n = len(placements)
+    metrics = [workdir / f"peer-{i}.jsonl" for i in range(n)]
+    logs = [open(workdir / f"peer-{i}.log", "w") for i in range(n)]
+    procs: list[subprocess.Popen] = []
+    before = counters() if counters else None
+    t0 = time.time()
+    try:
+        def start(i: int, extra: list[str]):
+            prefix, host = placements[i]
+            cmd = [*prefix, *_node_cmd(cfg, tag, compression, host, workdir / f"state-{i}", metrics[i], extra)]
+            procs.append(subprocess.Popen(cmd, stdout=logs[i], stderr=subprocess.STDOUT, cwd=REPO))
+
+        start(0, ["--port", "0"])
+        deadline = time.monotonic() + 180
+        maddrs: list[str] = []
+        while not maddrs:
+            if procs[0].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the first node did not start:\n{(workdir / 'peer-0.log').read_text()[-3000:]}")
+            maddrs = next((e.get("maddrs") or [] for e in _read_events(metrics[0]) if e.get("event") == "start"), [])
+            time.sleep(0.3)
+        for i in range(1, n):
+            start(i, ["--port", "0", "--initial-peers", maddrs[0]])
+        deadline = time.monotonic() + cfg["timeout"]
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nodes did not finish {cfg['outer_steps']} outer steps in {cfg['timeout']} s")
+            time.sleep(0.5)
+        codes = [p.returncode for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+        for f in logs:
+            f.close()
+    after = counters() if counters else None
+    peers = []
+    for i in range(n):
+        events = _read_events(metrics[i])
+        steps = [e for e in events if e.get("event") == "outer_step"]
+        steady = None
+        if len(steps) >= 2:
+            a, b = steps[0], steps[-1]
+            dw = b["wall_s"] - a["wall_s"]
+            steady = (b["inner_s"] - a["inner_s"]) / dw if dw > 0 else None
+        peers.append({
+            "exit_code": codes[i],
+            "outer_steps": len(steps),
+            "rounds_ok": sum(1 for e in steps if e.get("round_ok")),
+            "group_sizes": [e.get("group_size") for e in steps],
+            "averaging_s": [e.get("averaging_s") for e in steps],
+            "bytes_sent": [e.get("bytes_sent") for e in steps],
+            "steady_utilization": steady,
+            "overall_utilization": steps[-1].get("goodput") if steps else None,
+            "inner_s": steps[-1].get("inner_s") if steps else None,
+            "wall_s": steps[-1].get("wall_s") if steps else None,
+            "eval_loss_last": steps[-1].get("eval_loss") if steps else None,
+            "log_tail": "" if codes[i] == 0 else (workdir / f"peer-{i}.log").read_text()[-2000:],
+        })
+    link = None
+    if before and after:
+        link = [{"rx": a[0] - b[0], "tx": a[1] - b[1]} for a, b in zip(after, before)]
+    return {"peers": peers, "link_bytes": link, "elapsed_s": time.time() - t0}
+
+
+def run(size: str) -> dict[str, Any]:
+    from bench.netutil import link_bytes, netns_check, star_topology, tc_qdisc_kinds
+
+    cfg = SIZES[size]
+    ok, why = netns_check()
+    qdiscs = tc_qdisc_kinds() if ok else {"tbf": False, "netem": False}
+    runs = []
+    for label, rate, compression in cfg["runs"]:
+        if not ok and rate:
+            continue  # no link limit without namespaces
+        workdir = Path(tempfile.mkdtemp(prefix="bench-netns-"))
+        try:
+            tag = f"{label.replace(' ', '')}-{compression}-{int(time.time())}"
+            if ok:
+                if rate and not qdiscs["tbf"]:
+                    raise RuntimeError("tc tbf is not available in this kernel")
+                with star_topology(cfg["peers"], rate) as peers:
+                    placements = [(["ip", "netns", "exec", ns], addr) for ns, addr in peers]
+
+                    def counters(peers=peers):
+                        return [link_bytes(ns, f"vp{i}") or (0, 0) for i, (ns, _) in enumerate(peers)]
+
+                    out = _run_swarm(cfg, tag, compression, placements, workdir, counters)
+            else:
+                placements = [([], "127.0.0.1")] * cfg["peers"]
+                out = _run_swarm(cfg, tag, compression, placements, workdir, None)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        runs.append({"label": label, "rate": rate, "compression": compression, **out})
+    from diloco_swarm.models import build_model, num_parameters
+
+    return {"config": {k: v for k, v in cfg.items() if k != "runs"}, "netns": ok, "netns_reason": why,
+            "qdiscs": qdiscs, "matchmaking_time": MATCHMAKING_S, "averaging_window": AVERAGING_WINDOW_S,
+            "params": num_parameters(build_model(cfg["model"], seed=0)), "runs": runs}
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def render(result: dict[str, Any], docs_dir: Path) -> str:
+    cfg = result["config"]
+    rows = []
+    for r in result["runs"]:
+        peers = r["peers"]
+        steps = sum(p["outer_steps"] for p in peers)
+        ok = sum(p["rounds_ok"] for p in peers)
+        steady = _mean(p["steady_utilization"] for p in peers)
+        overall = _mean(p["overall_utilization"] for p in peers)
+        avg_s = _mean(s for p in peers for s in p["averaging_s"][1:]) if steps else None
+        sent = _mean(b for p in peers for b in p["bytes_sent"] if b)
+        link_tx = (_mean(x["tx"] for x in r["link_bytes"]) / max(1, _mean(p["outer_steps"] for p in peers) or 1)
+                   if r["link_bytes"] else None)
+        rows.append([
+            r["label"] if result["netns"] else "127.0.0.1 (no namespaces)", r["compression"],
+            f"{steps}", f"{ok}/{steps}",
+            f"{100 * steady:.1f}%" if steady is not None else "–",
+            f"{100 * overall:.1f}%" if overall is not None else "–",
+            f"{avg_s:.2f}" if avg_s is not None else "–",
+            human_bytes(sent) if sent else "–",
+            human_bytes(link_tx) if link_tx else "–",
+            ", ".join(str(p["exit_code"]) for p in peers),
+        ])
+    if result["netns"]:
+        where = (f"{cfg['peers']} `diloco-node join` processes, each in its own network namespace, joined by veth "
+                 "pairs to a bridge in a hub namespace; *100mbit* = `tc qdisc tbf rate 100mbit` on both directions of "
+                 "every peer's link.")
+    else:
+        where = (f"**Network namespaces were refused here ({result['netns_reason']})**, so the "
+                 f"{cfg['peers']} nodes ran on 127.0.0.1 with no link limit.")
+    netem = ("`tc netem` is **not available in this kernel** (probe failed), so **no latency or loss was added**: "
+             "these links are bandwidth-limited only, with sub-millisecond RTT." if not result["qdiscs"].get("netem")
+             else "`tc netem` is available but was not used (no added latency).")
+    md = [
+        f"{where} {netem} All {cfg['peers']} nodes share this machine's CPUs (`--threads 1` each).\n",
+        f"Run: model `{cfg['model']}` ({result['params']:,} parameters), H = {cfg['H']}, seq_len {cfg['seq_len']}, "
+        f"batch {cfg['batch']}, {cfg['outer_steps']} outer steps, matchmaking {result['matchmaking_time']} s, "
+        f"averaging window {result['averaging_window']} s, `--device cpu`.\n",
+        "Compute utilization = inner-step time / wall time from each node's metrics (`inner_s`, `wall_s`), mean "
+        "over the nodes; *steady* = between the first and the last outer step; *overall* = since the node "
+        "started (`goodput`).\n",
+        md_table(["link", "codec", "outer steps (all nodes)", "verified rounds", "utilization, steady",
+                  "utilization, overall", "averaging s per step", "payload sent per step", "link tx per step",
+                  "exit codes"], rows),
+    ]
+    base = next((r for r in result["runs"] if r["rate"] is None), None)
+    for r in result["runs"]:
+        if base is not None and r is not base and r["compression"] == base["compression"]:
+            a = _mean(p["steady_utilization"] for p in base["peers"])
+            b = _mean(p["steady_utilization"] for p in r["peers"])
+            if a and b:
+                md.append(f"\nSteady utilization with the {r['label']} limit is **{b / a:.2f}×** the unlimited one "
+                          f"({r['compression']}, same run of the benchmark).\n")
+    md.append("\n### TODO: churn\n\nNot measured yet: utilization and loss while peers join and leave "
+              "(the churn benchmark comes with the churn work). No figure here on purpose.\n")
+    return "\n".join(md)

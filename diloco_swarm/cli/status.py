@@ -1,0 +1,163 @@
+"""``diloco-node status``: one look at a swarm from the terminal (or as JSON)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+STALE_AFTER_S = 20.0
+
+
+def dht_listen_host(initial_peers: list[str]) -> str:
+    """127.0.0.1 when every initial peer is on this machine, else all interfaces (so we can dial out)."""
+    for addr in initial_peers:
+        parts = addr.split("/")
+        host = parts[2] if len(parts) > 2 else ""
+        try:
+            if not ipaddress.ip_address(host).is_loopback:
+                return "0.0.0.0"
+        except ValueError:  # /dns4/..., /dns/...
+            return "0.0.0.0"
+    return "127.0.0.1"
+
+
+def join_as_reader(initial_peers: list[str], run_id: str):
+    """A client-mode DHT with the run's record validators (an ephemeral record key).
+
+    :raises SwarmError: bad address, or no initial peer answered.
+    """
+    from diloco_swarm.dht.records import record_validators
+    from diloco_swarm.dht.swarm import start_dht
+
+    return start_dht(initial_peers=initial_peers, host=dht_listen_host(initial_peers), port=0, client_mode=True,
+                     record_validators=record_validators(run_id, None))
+
+
+def reader_message(e: Exception) -> str:
+    """A SwarmError's text, minus advice that only fits ``join``."""
+    return (str(e).replace(", or omit --initial-peers to start a new swarm", "")
+            .replace(" (0 = any free port)", ""))
+
+
+def collect_rows(dht, run_id: str, *, attempts: int = 3, stale_after_s: float = STALE_AFTER_S) -> list[dict[str, Any]] | None:
+    """Peer rows (record fields + owner, state, age_s) for one look; None when the DHT could not be read.
+
+    One look has no history, so the state comes from the record's own ``updated`` time:
+    online when at most ``stale_after_s`` old (by our clock), else stale.
+    """
+    from diloco_swarm.dht.records import FIELDS, read_peer_entries
+
+    entries = None
+    for i in range(attempts):
+        entries = read_peer_entries(dht, run_id)
+        if entries:
+            break
+        if i + 1 < attempts:
+            time.sleep(1.0)  # a fresh client may need a moment to fill its routing table
+    if entries is None:
+        return None
+    now = time.time()
+    rows = []
+    for e in entries:
+        if e.record is None:
+            continue
+        r = e.record.dict()
+        age = max(0.0, now - r["updated"])
+        rows.append({**{k: r[k] for k in FIELDS}, "owner": e.owner, "age_s": round(age, 1),
+                     "state": "online" if age <= stale_after_s else "stale"})
+    rows.sort(key=lambda r: (r["state"] != "online", -r["outer_step"], r["name"], r["peer_id"]))
+    return rows
+
+
+def _f(value: Any, digits: int = 3) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def render_table(rows: list[dict[str, Any]], run_id: str) -> Table:
+    from diloco_swarm.dashboard.render import fmt_duration, fmt_si, short_id
+
+    table = Table(title=Text(f"run {run_id}"), title_justify="left", header_style="bold", pad_edge=False,
+                  expand=False)
+    for col, justify in (("peer", "left"), ("state", "left"), ("device", "left"), ("step", "right"),
+                         ("loss", "right"), ("tok/s", "right"), ("last round", "left"), ("goodput", "right"),
+                         ("reach", "left"), ("uptime", "right")):
+        table.add_column(col, justify=justify, no_wrap=col not in ("peer", "device"))
+    for r in rows:
+        peer = Text(r["name"] + " " if r["name"] else "", style="bold")  # Text: never parsed as markup
+        peer.append(short_id(r["peer_id"]), style="dim")
+        if r["last_round_ok"] is None:
+            rnd = Text("–")
+        elif not r["last_round_ok"]:
+            rnd = Text("failed", style="red")
+        else:
+            rnd = Text("solo" if r["last_round_group_size"] <= 1 else f"{r['last_round_group_size']} peers ok")
+        if r["failed_rounds"]:
+            rnd.append(f" ({r['failed_rounds']} failed)", style="red")
+        state = Text(r["state"], style="green" if r["state"] == "online" else "yellow")
+        table.add_row(
+            peer, state, Text(f"{r['device']} {r['precision']}".strip()), str(r["outer_step"]), _f(r["loss"]),
+            fmt_si(r["tokens_per_s"]), rnd, f"{100 * r['goodput']:.0f}%", r["reachability"],
+            fmt_duration(r["uptime_s"]), style="dim" if r["state"] != "online" else None,
+        )
+    return table
+
+
+def summary_line(totals: dict[str, Any]) -> str:
+    from diloco_swarm.dashboard.render import fmt_si
+
+    parts = [f"{totals['peers_online']} peer{'s' if totals['peers_online'] != 1 else ''} online"]
+    if totals["peers_stale"]:
+        parts[0] += f" ({totals['peers_stale']} stale)"
+    parts.append(f"{fmt_si(totals['tokens_per_s'])} tok/s")
+    step = totals["newest_outer_step"]
+    parts.append(f"newest outer step {'–' if step is None else step}")
+    parts.append(f"mean loss {_f(totals['mean_loss'])}")
+    return " · ".join(parts)
+
+
+def status(
+    initial_peers: Annotated[list[str], typer.Option("--initial-peers", help="Multiaddr of any node of the swarm (/ip4/HOST/tcp/PORT/p2p/PEER_ID), as printed by that node. Repeat or separate with spaces.")],
+    run_id: Annotated[str, typer.Option(help="The run to show.")] = "diloco-demo",
+    json_output: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of the table.")] = False,
+    stale_after: Annotated[float, typer.Option(min=1.0, help="A peer whose record is older than this many seconds is shown as stale.")] = STALE_AFTER_S,
+) -> None:
+    """Show the peers of a swarm: one row per peer, and a summary line.
+
+    Joins the DHT as a client (it never trains and accepts no connections), reads every peer's signed record, prints, and leaves. Exit code 0 even when no peer is found; 2 on errors.
+    """
+    from diloco_swarm.cli.app import fail
+    from diloco_swarm.dashboard.state import summarize
+    from diloco_swarm.dht.swarm import SwarmError, parse_initial_peers
+
+    out = Console(highlight=False)
+    try:
+        peers = parse_initial_peers(initial_peers)
+        if not peers:
+            raise SwarmError("--initial-peers: give the multiaddr of at least one node of the swarm")
+        dht = join_as_reader(peers, run_id)
+    except SwarmError as e:
+        raise fail(reader_message(e))
+    try:
+        rows = collect_rows(dht, run_id, stale_after_s=stale_after)
+    finally:
+        dht.shutdown()
+    if rows is None:
+        raise fail("could not read the swarm's records from the DHT; check --initial-peers and try again")
+    totals = summarize(rows)
+    if json_output:
+        doc = {"run_id": run_id, "time": round(time.time(), 3), "summary": totals, "peers": rows}
+        print(json.dumps(doc, indent=2, allow_nan=False))
+        return
+    if not rows:
+        out.print(Text(f"no peer records found for run '{run_id}': is the run id right, and are its nodes running?"))
+        return
+    out.print(render_table(rows, run_id))
+    out.print(Text(summary_line(totals)))
+

@@ -1,0 +1,430 @@
+"""The dashboard page: server-rendered HTML with inline SVG charts, no external asset.
+
+Every string that came from a peer goes through :func:`text` (control and bidi characters dropped,
+HTML-escaped), and the page's Content-Security-Policy allows only this module's own inline script
+and style (by hash), so even a missed escape could not run script.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import html
+import math
+import re
+import time
+from typing import Any, Iterable, Sequence
+
+PALETTE_SIZE = 10
+_UNSAFE_CHARS = re.compile("[\u0000-\u001f\u007f-\u009f\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
+
+
+def text(value: Any, limit: int = 200) -> str:
+    """A peer-supplied value, safe to put in HTML text or a quoted attribute."""
+    s = _UNSAFE_CHARS.sub("", "" if value is None else str(value))
+    if len(s) > limit:
+        s = s[: limit - 1] + "…"
+    return html.escape(s, quote=True)
+
+
+# ------------------------------------------------------------------------------------------ numbers
+def fmt_si(value: Any, digits: int = 3) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return "–"
+    v = float(value)
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(v) >= scale:
+            return f"{v / scale:.{digits}g}{unit}"
+    return f"{v:.{digits}g}" if v != int(v) else f"{int(v)}"
+
+
+def fmt_float(value: Any, digits: int = 3) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return "–"
+    return f"{value:.{digits}f}"
+
+
+def fmt_bytes(value: Any) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "–"
+    v = float(value)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(v) < 1024 or unit == "TB":
+            return f"{v:.0f} {unit}" if unit == "B" else f"{v:.1f} {unit}"
+        v /= 1024
+    return "–"
+
+
+def fmt_duration(seconds: Any) -> str:
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not math.isfinite(seconds):
+        return "–"
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min"
+    if s < 86400:
+        return f"{s // 3600} h {s % 3600 // 60:02d} min"
+    return f"{s // 86400} d {s % 86400 // 3600} h"
+
+
+def short_id(peer_id: Any) -> str:
+    s = str(peer_id or "")
+    return s if len(s) <= 14 else f"{s[:6]}…{s[-6:]}"
+
+
+# ------------------------------------------------------------------------------------------ charts
+def _nice_step(span: float, target: int = 4) -> float:
+    raw = span / max(target, 1)
+    mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
+    for m in (1, 2, 2.5, 5, 10):
+        if raw <= m * mag:
+            return m * mag
+    return 10 * mag
+
+
+_TIME_STEPS = (10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400, 172800, 604800)
+
+
+def _rel_time(seconds: float) -> str:
+    s = int(round(seconds))
+    if s == 0:
+        return "now"
+    if s < 60:
+        return f"−{s}s"
+    if s < 3600:
+        return f"−{s // 60}m"
+    if s < 86400:
+        h, m = divmod(s // 60, 60)
+        return f"−{h}h" if m == 0 else f"−{h}h{m:02d}"
+    return f"−{s // 86400}d"
+
+
+def line_chart(
+    series: Sequence[dict[str, Any]],
+    *,
+    title: str,
+    now: float,
+    unit_fmt=fmt_si,
+    zero_based: bool = False,
+    width: int = 480,
+    height: int = 230,
+) -> str:
+    """An SVG line chart over time. ``series``: dicts with ``label``, ``color`` (a palette index or
+    ``"total"``), ``points`` ([(t, value or None)]) and optional ``main`` (drawn thicker)."""
+    left, right, top, bottom = 48, 12, 10, 24
+    pw, ph = width - left - right, height - top - bottom
+    pts = [(t, v) for s in series for t, v in s["points"] if v is not None]
+    label = text(title)
+    head = (f'<svg class="chart" viewBox="0 0 {width} {height}" role="img" aria-label="{label}" '
+            f'xmlns="http://www.w3.org/2000/svg"><title>{label}</title>')
+    if not pts:
+        return (head + f'<rect class="plot" x="{left}" y="{top}" width="{pw}" height="{ph}"/>'
+                f'<text class="empty" x="{left + pw / 2}" y="{top + ph / 2}" text-anchor="middle">'
+                "waiting for data…</text></svg>")
+    t1 = max(now, max(t for t, _ in pts))
+    t0 = min(t for t, _ in pts)
+    if t1 - t0 < 60:
+        t0 = t1 - 60
+    lo, hi = min(v for _, v in pts), max(v for _, v in pts)
+    if zero_based:
+        lo = min(0.0, lo)
+    if hi - lo < 1e-12:
+        pad = abs(hi) * 0.1 or 1.0
+        lo, hi = (lo - pad if not (zero_based and lo == 0) else lo), hi + pad
+    step = _nice_step(hi - lo)
+    lo, hi = math.floor(lo / step) * step, math.ceil(hi / step) * step
+
+    def x(t: float) -> float:
+        return round(left + (t - t0) / (t1 - t0) * pw, 1)
+
+    def y(v: float) -> float:
+        return round(top + ph - (v - lo) / (hi - lo) * ph, 1)
+
+    out = [head, f'<rect class="plot" x="{left}" y="{top}" width="{pw}" height="{ph}"/>']
+    v = lo
+    while v <= hi + step / 2:
+        yy = y(v)
+        out.append(f'<line class="grid" x1="{left}" x2="{left + pw}" y1="{yy}" y2="{yy}"/>'
+                   f'<text class="tick" x="{left - 6}" y="{yy + 4}" text-anchor="end">{text(unit_fmt(v))}</text>')
+        v += step
+    tstep = next((s for s in _TIME_STEPS if (t1 - t0) / s <= 4), _TIME_STEPS[-1])
+    k = 0
+    while t1 - k * tstep >= t0 - 1e-6:
+        xx = x(t1 - k * tstep)
+        anchor = "end" if k == 0 else "middle"
+        out.append(f'<line class="grid" x1="{xx}" x2="{xx}" y1="{top}" y2="{top + ph}"/>'
+                   f'<text class="tick" x="{xx}" y="{height - 6}" text-anchor="{anchor}">{_rel_time(k * tstep)}</text>')
+        k += 1
+    for s in series:
+        cls = "series total" if s["color"] == "total" else f"series c{int(s['color']) % PALETTE_SIZE}"
+        if s.get("main"):
+            cls += " main"
+        path, pen_down, last = [], False, None
+        for t, v in s["points"]:
+            if v is None or t < t0:
+                pen_down = False
+                continue
+            path.append(f"{'L' if pen_down else 'M'}{x(t)} {y(v)}")
+            pen_down, last = True, (t, v)
+        if not path:
+            continue
+        name = text(s["label"])
+        out.append(f'<g class="{cls}"><title>{name}</title><path d="{" ".join(path)}"/>')
+        if last is not None:
+            out.append(f'<circle cx="{x(last[0])}" cy="{y(last[1])}" r="3"/>')
+        out.append("</g>")
+    out.append("</svg>")
+    return "".join(out)
+
+
+def legend(series: Iterable[dict[str, Any]]) -> str:
+    items = []
+    for s in series:
+        cls = "total" if s["color"] == "total" else f"c{int(s['color']) % PALETTE_SIZE}"
+        items.append(f'<li><span class="swatch {cls}"></span>{text(s["label"], 40)}</li>')
+    return f'<ul class="legend">{"".join(items)}</ul>' if items else ""
+
+
+# ------------------------------------------------------------------------------------------ page
+def _colors(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """A stable palette slot per owner: in order of first sight."""
+    order = sorted(rows, key=lambda r: (r.get("first_seen") or 0, r["owner"]))
+    return {r["owner"]: i % PALETTE_SIZE for i, r in enumerate(order)}
+
+
+def _label(row: dict[str, Any]) -> str:
+    return row.get("name") or short_id(row.get("peer_id"))
+
+
+def _charts(doc: dict[str, Any], colors: dict[str, int], now: float) -> str:
+    hist = doc.get("history") or {}
+    swarm = hist.get("swarm") or {}
+    peer_hist = hist.get("peers") or {}
+    rows = {r["owner"]: r for r in doc["peers"]}
+    loss_series, tps_series = [], []
+    for owner, cols in peer_hist.items():
+        row = rows.get(owner)
+        if row is None:
+            continue
+        t = cols.get("t", [])
+        loss_series.append({"label": _label(row), "color": colors[owner], "points": list(zip(t, cols.get("loss", [])))})
+        tps_series.append({"label": _label(row), "color": colors[owner],
+                           "points": list(zip(t, cols.get("tokens_per_s", [])))})
+    st = swarm.get("t", [])
+    loss_series.append({"label": "swarm mean", "color": "total", "main": True,
+                        "points": list(zip(st, swarm.get("mean_loss", [])))})
+    tps_series.append({"label": "swarm total", "color": "total", "main": True,
+                       "points": list(zip(st, swarm.get("tokens_per_s", [])))})
+    loss = line_chart(loss_series, title="Training loss over time", now=now, unit_fmt=lambda v: f"{v:.3g}")
+    tps = line_chart(tps_series, title="Tokens per second over time", now=now, zero_based=True)
+    return (
+        '<section class="charts">'
+        f'<figure class="card" id="chart-loss"><figcaption>Loss</figcaption>{loss}{legend(loss_series)}</figure>'
+        f'<figure class="card" id="chart-tps"><figcaption>Tokens / s</figcaption>{tps}{legend(tps_series)}</figure>'
+        "</section>"
+    )
+
+
+def _totals(doc: dict[str, Any]) -> str:
+    t = doc["totals"]
+    cards = [
+        ("peers-online", "Peers online", str(t["peers_online"]), f'{t["peers_stale"]} stale · {t["peers_gone"]} gone'),
+        ("tokens-per-s", "Tokens / s", fmt_si(t["tokens_per_s"]), "sum over online peers"),
+        ("outer-step", "Newest outer step", "–" if t["newest_outer_step"] is None else str(t["newest_outer_step"]),
+         f'{t["failed_rounds"]} failed rounds'),
+        ("mean-loss", "Mean loss", fmt_float(t["mean_loss"]), f'held-out {fmt_float(t["mean_eval_loss"])}'),
+        ("tokens-total", "Tokens trained", fmt_si(t["tokens_total"]), "by the listed peers"),
+    ]
+    return '<section class="totals">' + "".join(
+        f'<div class="card stat" id="total-{key}"><div class="k">{name}</div><div class="v">{value}</div>'
+        f'<div class="s">{sub}</div></div>'
+        for key, name, value, sub in cards
+    ) + "</section>"
+
+
+def _round(row: dict[str, Any]) -> str:
+    ok, size = row.get("last_round_ok"), row.get("last_round_group_size") or 0
+    if ok is None:
+        main = "–"
+    elif not ok:
+        main = '<span class="bad">failed</span>'
+    elif size <= 1:
+        main = "solo"
+    else:
+        main = f"{int(size)} peers"
+    if ok is not None:
+        main += f' <span class="dim">{fmt_float(row.get("last_round_s"), 1)} s</span>'
+    failed = row.get("failed_rounds") or 0
+    if failed:
+        main += f' <span class="bad">({int(failed)} failed)</span>'
+    return main
+
+
+def _peer_table(doc: dict[str, Any], colors: dict[str, int]) -> str:
+    heads = ["State", "Peer", "Device", "Outer step", "Loss", "Tokens/s", "Last round", "Goodput", "Reach",
+             "Uptime", "Traffic"]
+    body = []
+    for r in doc["peers"]:
+        state = r["state"]
+        name = text(r.get("name"), 64)
+        pid = text(r.get("peer_id"), 128)
+        peer = (f'<span class="swatch c{colors[r["owner"]]}"></span>'
+                + (f'<b class="name">{name}</b><br>' if name else "")
+                + f'<code class="pid" title="{pid}">{text(short_id(r.get("peer_id")))}</code>')
+        reach = {"direct": "direct", "client": "client/relay"}.get(r.get("reachability"), "–")
+        version = text(r.get("version"), 32)
+        heard = "said goodbye" if r.get("left") else f'heard {fmt_duration(r.get("age_s"))} ago'
+        cells = [
+            f'<span class="badge {state}">{state}</span>',
+            peer,
+            f'{text(r.get("device"), 64)} <span class="dim">{text(r.get("precision"), 16)}</span>'
+            + (f'<br><span class="dim">v{version}</span>' if version else ""),
+            text(r.get("outer_step")),
+            f'{fmt_float(r.get("loss"))}<br><span class="dim">held-out {fmt_float(r.get("eval_loss"))}</span>',
+            fmt_si(r.get("tokens_per_s")),
+            _round(r),
+            "–" if r.get("goodput") is None else f'{100 * r["goodput"]:.0f}%',
+            reach,
+            f'{fmt_duration(r.get("uptime_s"))}<br><span class="dim">{heard}</span>',
+            f'↑{fmt_bytes(r.get("bytes_sent"))}<br>↓{fmt_bytes(r.get("bytes_received"))}',
+        ]
+        tds = "".join(f'<td class="col-{i}" data-label="{h}"><span class="cv">{c}</span></td>'
+                      for i, (h, c) in enumerate(zip(heads, cells)))
+        body.append(f'<tr class="peer {state}" data-owner="{text(r["owner"])}" data-peer-id="{pid}">{tds}</tr>')
+    if not body:
+        body.append(f'<tr class="none"><td colspan="{len(heads)}">No peer has published a record yet. '
+                    "Peers appear here a few seconds after they join.</td></tr>")
+    th = "".join(f"<th>{h}</th>" for h in heads)
+    return (f'<section class="card peers"><h2>Peers</h2><div class="scroll"><table id="peers"><thead><tr>{th}</tr>'
+            f'</thead><tbody>{"".join(body)}</tbody></table></div>{_states_legend(doc)}</section>')
+
+
+def _states_legend(doc: dict[str, Any]) -> str:
+    c = doc["config"]
+    return (
+        '<ul class="states">'
+        f'<li><span class="badge online">online</span> record refreshed in the last {fmt_duration(c["stale_after_s"])}</li>'
+        f'<li><span class="badge stale">stale</span> silent for {fmt_duration(c["stale_after_s"])}–'
+        f'{fmt_duration(c["gone_after_s"])}: busy, stuck or crashed</li>'
+        f'<li><span class="badge gone">gone</span> left, or silent for longer; listed for '
+        f'{fmt_duration(c["keep_gone_s"])}</li></ul>'
+    )
+
+
+def render_live(doc: dict[str, Any], now: float | None = None) -> str:
+    """The part of the page that refreshes: status bar, totals, charts, peer table."""
+    now = doc.get("generated", time.time()) if now is None else now
+    colors = _colors(doc["peers"])
+    if doc.get("last_poll") is None:
+        status = '<span class="dot wait"></span>connecting to the swarm…'
+    elif doc.get("last_poll_ok"):
+        status = f'<span class="dot ok"></span>live · DHT read {fmt_duration(now - doc["last_poll"])} ago'
+    else:
+        status = '<span class="dot bad"></span>cannot read the DHT right now; showing the last known state'
+    return (f'<p class="status" id="status">{status}</p>' + _totals(doc) + _charts(doc, colors, now)
+            + _peer_table(doc, colors))
+
+
+CSS = """
+:root{--bg:#f6f7f9;--fg:#1d2330;--card:#fff;--line:#e3e6eb;--dim:#6b7280;--plot:#fbfcfd;--ok:#1a7f37;--warn:#9a6700;
+--bad:#cf222e;--total:#1d2330;color-scheme:light dark}
+@media (prefers-color-scheme:dark){:root{--bg:#0f1216;--fg:#e6e8eb;--card:#181c22;--line:#2a3038;--dim:#9aa3ad;
+--plot:#14181d;--ok:#3fb950;--warn:#d29922;--bad:#f85149;--total:#e6e8eb}}
+*{box-sizing:border-box}
+body{margin:0;background:var(--bg);color:var(--fg);font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif}
+header,main,footer{max-width:1280px;margin:0 auto;padding:0 16px}
+header{display:flex;flex-wrap:wrap;align-items:baseline;gap:4px 14px;padding-top:18px}
+h1{font-size:1.35rem;margin:0}h2{font-size:1.05rem;margin:0 0 8px}
+.run{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;background:var(--card);border:1px solid var(--line);
+border-radius:6px;padding:1px 8px;overflow-wrap:anywhere}
+.status{margin:6px 0 12px;color:var(--dim);font-size:.9rem}
+.dot{display:inline-block;width:9px;height:9px;border-radius:50%;margin-right:6px;background:var(--dim)}
+.dot.ok{background:var(--ok)}.dot.bad{background:var(--bad)}
+body.offline .status::after{content:" · page not refreshing (dashboard unreachable)";color:var(--bad)}
+.card{background:var(--card);border:1px solid var(--line);border-radius:10px;padding:12px 14px;margin:0}
+.totals{display:grid;grid-template-columns:repeat(auto-fit,minmax(150px,1fr));gap:10px;margin-bottom:12px}
+.stat .k{color:var(--dim);font-size:.8rem;text-transform:uppercase;letter-spacing:.04em}
+.stat .v{font-size:1.7rem;font-weight:650;font-variant-numeric:tabular-nums}
+.stat .s{color:var(--dim);font-size:.82rem}
+.charts{display:grid;grid-template-columns:repeat(auto-fit,minmax(min(100%,420px),1fr));gap:10px;margin-bottom:12px}
+figcaption{font-weight:600;margin-bottom:4px}
+svg.chart{width:100%;height:auto;display:block;font-size:12px}
+svg.chart .plot{fill:var(--plot);stroke:var(--line)}
+svg.chart .grid{stroke:var(--line);stroke-width:1}
+svg.chart .tick,svg.chart .empty{fill:var(--dim)}
+svg.chart .series path{fill:none;stroke:var(--c);stroke-width:1.6;stroke-linejoin:round;stroke-linecap:round;opacity:.9}
+svg.chart .series circle{fill:var(--c)}
+svg.chart .series.main path{stroke-width:2.6;opacity:1}
+.legend{list-style:none;display:flex;flex-wrap:wrap;gap:2px 14px;padding:0;margin:6px 0 0;font-size:.82rem;color:var(--dim)}
+.swatch{display:inline-block;width:10px;height:10px;border-radius:3px;margin-right:5px;background:var(--c);vertical-align:-1px}
+.total{--c:var(--total)}
+.c0{--c:#4e79a7}.c1{--c:#f28e2b}.c2{--c:#e15759}.c3{--c:#76b7b2}.c4{--c:#59a14f}
+.c5{--c:#edc948}.c6{--c:#b07aa1}.c7{--c:#ff9da7}.c8{--c:#9c755f}.c9{--c:#8c8c8c}
+.scroll{overflow-x:auto}
+table{border-collapse:collapse;width:100%;font-size:.88rem;font-variant-numeric:tabular-nums}
+th,td{text-align:left;padding:6px 8px;border-bottom:1px solid var(--line);white-space:nowrap}
+th{color:var(--dim);font-weight:600;font-size:.78rem;text-transform:uppercase;letter-spacing:.03em}
+td .name{font-weight:600;overflow-wrap:anywhere;white-space:normal}
+td.col-1{max-width:16em;white-space:normal}
+code.pid{font-size:.8rem;color:var(--dim);white-space:nowrap}
+tr.stale td{opacity:.55}tr.gone td{opacity:.38}tr.gone .name{text-decoration:line-through}
+.badge{display:inline-block;border-radius:99px;padding:0 8px;font-size:.75rem;font-weight:600;border:1px solid}
+.badge.online{color:var(--ok)}.badge.stale{color:var(--warn)}.badge.gone{color:var(--dim)}
+.dim{color:var(--dim)}.bad{color:var(--bad)}
+.states{list-style:none;padding:0;margin:10px 0 0;display:flex;flex-wrap:wrap;gap:4px 18px;color:var(--dim);font-size:.82rem}
+footer{color:var(--dim);font-size:.82rem;padding:16px}footer a{color:inherit}
+@media (max-width:720px){
+body{font-size:14px}header,main,footer{padding:0 10px}
+.stat .v{font-size:1.35rem}svg.chart{font-size:17px}
+table,tbody{display:block;width:100%}thead{display:none}
+tr.peer{display:grid;grid-template-columns:1fr 1fr;gap:6px 12px;border:1px solid var(--line);border-radius:8px;
+margin:0 0 8px;padding:8px 10px}
+tr.peer td{display:block;border:0;padding:0;white-space:normal;min-width:0}
+tr.peer td::before{content:attr(data-label);display:block;color:var(--dim);font-size:.7rem;text-transform:uppercase;
+letter-spacing:.03em}
+tr.peer td.col-0{grid-column:2;grid-row:1;text-align:right}tr.peer td.col-0::before{content:none}
+tr.peer td.col-1{grid-column:1;grid-row:1}tr.peer td.col-1::before{content:none}
+tr.none,tr.none td{display:block}
+}
+"""
+
+JS_TEMPLATE = """(function(){var el=document.getElementById('live'),busy=false;
+setInterval(function(){if(busy||document.hidden)return;busy=true;
+fetch('fragment',{cache:'no-store'}).then(function(r){if(!r.ok)throw new Error(r.status);return r.text();})
+.then(function(t){el.innerHTML=t;document.body.classList.remove('offline');})
+.catch(function(){document.body.classList.add('offline');})
+.finally(function(){busy=false;});},REFRESH_MS);})();"""
+
+
+def _sha256(source: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(source.encode()).digest()).decode() + "'"
+
+
+def page_script(refresh_s: float) -> str:
+    return JS_TEMPLATE.replace("REFRESH_MS", str(max(500, int(refresh_s * 1000))))
+
+
+def content_security_policy(refresh_s: float) -> str:
+    """Only this module's inline script and style may run; fetches go to this origin only."""
+    return (f"default-src 'none'; script-src {_sha256(page_script(refresh_s))}; style-src {_sha256(CSS)}; "
+            "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+
+def render_page(doc: dict[str, Any], *, refresh_s: float = 5.0, version: str = "") -> str:
+    run = text(doc["run_id"], 128)
+    return (
+        "<!doctype html>\n"
+        '<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width,initial-scale=1">'
+        f"<title>{run} · diloco-swarm</title>"
+        '<meta name="referrer" content="no-referrer">'
+        f'<noscript><meta http-equiv="refresh" content="{max(5, int(refresh_s * 2))}"></noscript>'
+        f"<style>{CSS}</style></head><body>"
+        f'<header><h1>diloco-swarm</h1><span class="run" id="run-id" title="run id">{run}</span></header>'
+        f'<main id="live">{render_live(doc)}</main>'
+        f'<footer>Peers publish signed records in the DHT; this page reads them every few seconds. '
+        f'<a href="api/v1/state">JSON API</a> · <a href="metrics">Prometheus metrics</a>'
+        f'{" · dashboard " + text(version, 32) if version else ""}</footer>'
+        f"<script>{page_script(refresh_s)}</script></body></html>"
+    )

@@ -1,0 +1,189 @@
+"""Tests for diloco_swarm.node.checkpoint: atomic saves, the previous copy, corrupt files."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from diloco_swarm.node.checkpoint import (
+    CHECKPOINT_NAME,
+    PREVIOUS_NAME,
+    CheckpointError,
+    checkpoint_path,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+
+def state(step, n=1000):
+    g = torch.Generator().manual_seed(step)
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
+    return {
+        "spec": {"run_id": "r1", "inner_lr": 1e-3, "seq_len": 32},
+        "outer_step": step,
+        "tokens_total": 1000 * step,
+        "outer": {"theta": [torch.randn(n, generator=g), torch.randn(4, 5, generator=g)], "optimizer": {"state": {}}},
+        "inner_optimizer": opt.state_dict(),
+        "note": None,
+        "pair": (1, 2.5),
+    }
+
+
+def assert_same(a, b):
+    assert type(a) is type(b) or (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)))
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def listing(state_dir):
+    return sorted(os.listdir(state_dir))
+
+
+def test_save_load_roundtrip(tmp_path):
+    s = state(1)
+    path = save_checkpoint(tmp_path / "st", s)
+    assert path == checkpoint_path(tmp_path / "st") == tmp_path / "st" / CHECKPOINT_NAME
+    loaded = load_checkpoint(path)
+    assert loaded.pop("format_version") == 1
+    assert_same(loaded, s)
+    assert listing(tmp_path / "st") == [CHECKPOINT_NAME]
+
+
+def test_missing_checkpoint_loads_as_none(tmp_path):
+    assert load_checkpoint(tmp_path / CHECKPOINT_NAME) is None
+
+
+def test_second_save_keeps_the_first_as_prev(tmp_path):
+    save_checkpoint(tmp_path, state(1))
+    first_bytes = (tmp_path / CHECKPOINT_NAME).read_bytes()
+    save_checkpoint(tmp_path, state(2))
+    assert (tmp_path / PREVIOUS_NAME).read_bytes() == first_bytes
+    assert load_checkpoint(tmp_path / CHECKPOINT_NAME)["outer_step"] == 2
+    assert load_checkpoint(tmp_path / PREVIOUS_NAME)["outer_step"] == 1
+    assert listing(tmp_path) == sorted([CHECKPOINT_NAME, PREVIOUS_NAME])
+    # the two names are two files, not two links to one
+    assert (tmp_path / CHECKPOINT_NAME).stat().st_ino != (tmp_path / PREVIOUS_NAME).stat().st_ino
+    save_checkpoint(tmp_path, state(3))
+    assert load_checkpoint(tmp_path / PREVIOUS_NAME)["outer_step"] == 2
+
+
+def _corrupt_cases(good_bytes):
+    return {
+        "truncated": good_bytes[: len(good_bytes) // 2],
+        "truncated_tiny": good_bytes[:20],
+        "empty": b"",
+        "garbage": b"this is not a checkpoint\n" * 40,
+        "zeros": bytes(4096),
+    }
+
+
+@pytest.mark.parametrize("case", ["truncated", "truncated_tiny", "empty", "garbage", "zeros"])
+def test_corrupt_checkpoint_raises_a_clear_error_and_is_left_untouched(tmp_path, case):
+    save_checkpoint(tmp_path, state(1))
+    bad = _corrupt_cases((tmp_path / CHECKPOINT_NAME).read_bytes())[case]
+    path = tmp_path / CHECKPOINT_NAME
+    path.write_bytes(bad)
+    mtime = path.stat().st_mtime_ns
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert str(path) in message
+    assert "start fresh" in message and f"mv {path}" in message
+    assert "\n" not in message and len(message) < 400
+    assert "weights_only" not in message  # torch's long advice about trusting files is no use here
+    assert path.read_bytes() == bad and path.stat().st_mtime_ns == mtime
+    assert listing(tmp_path) == [CHECKPOINT_NAME]
+
+
+def test_corrupt_checkpoint_message_offers_the_previous_one(tmp_path):
+    save_checkpoint(tmp_path, state(1))
+    save_checkpoint(tmp_path, state(2))
+    (tmp_path / CHECKPOINT_NAME).write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="restore the previous one") as info:
+        load_checkpoint(tmp_path / CHECKPOINT_NAME)
+    assert str(tmp_path / PREVIOUS_NAME) in str(info.value)
+
+
+def test_a_torch_file_of_something_else_is_refused(tmp_path):
+    path = tmp_path / CHECKPOINT_NAME
+    torch.save([torch.zeros(3)], path)  # a valid torch file, not our dict
+    with pytest.raises(CheckpointError, match="not a diloco-swarm checkpoint"):
+        load_checkpoint(path)
+    torch.save({"format_version": 99}, path)
+    with pytest.raises(CheckpointError, match="format 1"):
+        load_checkpoint(path)
+
+
+def test_a_checkpoint_holding_arbitrary_objects_is_refused_not_executed(tmp_path):
+    path = tmp_path / CHECKPOINT_NAME
+    torch.save({"format_version": 1, "evil": os.system}, path)
+    with pytest.raises(CheckpointError, match=r"corrupt .*posix\.system|corrupt .*os\.system") as info:
+        load_checkpoint(path)
+    assert "\n" not in str(info.value)
+
+
+def test_unpicklable_state_fails_and_keeps_the_previous_checkpoint(tmp_path):
+    save_checkpoint(tmp_path, state(1))
+    before = (tmp_path / CHECKPOINT_NAME).read_bytes()
+    with pytest.raises(Exception, match="pickle"):
+        save_checkpoint(tmp_path, {**state(2), "callback": lambda: 0})
+    assert (tmp_path / CHECKPOINT_NAME).read_bytes() == before
+    assert listing(tmp_path) == [CHECKPOINT_NAME]  # no temp file, no prev made from a failed save
+    assert load_checkpoint(tmp_path / CHECKPOINT_NAME)["outer_step"] == 1
+
+
+def test_state_that_would_not_load_back_is_refused_at_save_time(tmp_path):
+    """Picklable but refused by torch.load(weights_only=True): it must fail now, not at the next start."""
+    save_checkpoint(tmp_path, state(1))
+    save_checkpoint(tmp_path, state(2))
+    cur, prev = (tmp_path / CHECKPOINT_NAME).read_bytes(), (tmp_path / PREVIOUS_NAME).read_bytes()
+    with pytest.raises(TypeError, match="PosixPath"):
+        save_checkpoint(tmp_path, {**state(3), "where": tmp_path})
+    assert (tmp_path / CHECKPOINT_NAME).read_bytes() == cur
+    assert (tmp_path / PREVIOUS_NAME).read_bytes() == prev
+    assert listing(tmp_path) == sorted([CHECKPOINT_NAME, PREVIOUS_NAME])
+
+
+@pytest.mark.timeout(60)
+def test_disk_write_failure_keeps_both_checkpoints_and_leaves_no_temp_files(tmp_path):
+    """A real failing write: the child process may not grow files past 64 KiB (as on a full disk)."""
+    save_checkpoint(tmp_path, state(1))
+    save_checkpoint(tmp_path, state(2))
+    cur, prev = (tmp_path / CHECKPOINT_NAME).read_bytes(), (tmp_path / PREVIOUS_NAME).read_bytes()
+    assert len(cur) < 64 * 1024
+    script = textwrap.dedent(
+        f"""
+        import resource, signal, sys
+        from pathlib import Path
+        import torch
+        from diloco_swarm.node.checkpoint import save_checkpoint
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+        try:
+            save_checkpoint(Path({str(tmp_path)!r}), {{"outer_step": 3, "big": torch.zeros(1_000_000)}})
+        except BaseException as e:
+            print("FAILED", type(e).__name__, e)
+            sys.exit(0)
+        print("SAVED")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("FAILED"), proc.stdout + proc.stderr
+    assert (tmp_path / CHECKPOINT_NAME).read_bytes() == cur
+    assert (tmp_path / PREVIOUS_NAME).read_bytes() == prev
+    assert listing(tmp_path) == sorted([CHECKPOINT_NAME, PREVIOUS_NAME])
+    assert load_checkpoint(tmp_path / CHECKPOINT_NAME)["outer_step"] == 2
