@@ -145,9 +145,9 @@ def human_bytes(n: float) -> str:
 
 def human_count(n: float) -> str:
     if n >= 1e6:
-        return f"{n / 1e6:g}M"
+        return f"{n / 1e6:.3g}M"
     if n >= 1e3:
-        return f"{n / 1e3:g}k"
+        return f"{n / 1e3:.3g}k"
     return f"{n:g}"
 
 

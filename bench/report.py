@@ -43,7 +43,6 @@ which were measured side by side in one run.
 """
 
 _SECTION = re.compile(r"<!-- bench:(?P<name>\w+) size=(?P<size>\w+) -->\n.*?<!-- /bench:(?P=name) -->\n", re.S)
-_INTRO = re.compile(r"^.*?(?=<!-- bench:)", re.S)
 
 
 def _skeleton() -> str:
@@ -84,7 +83,7 @@ def update_doc(doc: Path, out_dir: Path, only: list[str] | None = None) -> list[
             messages.append(f"{name}: could not render {path} ({type(e).__name__}: {e})")
             new_sections[name] = current_text
             continue
-        note = "" if size == "full" else (f"\n> **Toy size ({size})**: these figures come from `--quick`; "
+        note = "" if size == "full" else (f"\n> **Toy size ({size})**: these figures come from a toy-size run; "
                                           f"run `python -m bench {name}` for the full-size ones.\n")
         new_sections[name] = (f"<!-- bench:{name} size={size} -->\n## {TITLES[name]}\n{note}\n{body.rstrip()}\n\n"
                               f"{provenance_md(result, path)}<!-- /bench:{name} -->\n")

@@ -124,10 +124,12 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
            f"No on-the-wire count: network namespaces unavailable ({result['netns_reason']}). ")
         + f"*Data-parallel* is the **analytic ring all-reduce figure** 2·(n−1)/n·4·P bytes per step per peer, "
         f"×H={result['H']} steps per outer step (nothing was run for it).\n",
-        md_table(["model (P)", "peers", "codec", "payload sent/peer", "received/peer", "sent B per value·2(n−1)/n",
+        md_table(["model (P)", "peers", "codec", "payload sent/peer", "received/peer", "B per value moved¹",
                   "on the wire/peer", "fp32 ÷ this", f"data-parallel fp32, H={result['H']}",
                   "data-parallel ÷ payload", "data-parallel ÷ on the wire", "error vs exact mean", "all rounds ok"],
                  table),
+        "\n¹ payload sent ÷ (2·(n−1)/n·P): bytes per value for each of the 2·(n−1)/n·P values a peer sends in a "
+        "butterfly (or ring) all-reduce.\n",
     ]
     int8 = [r for r in rows if r["compression"] == "int8"]
     if int8:

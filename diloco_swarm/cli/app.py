@@ -93,6 +93,7 @@ def join(
     metrics_file: Annotated[Optional[Path], typer.Option(help="Append JSON Lines metrics here (one object per outer step; see docs/metrics.md).", rich_help_panel=LOCAL)] = None,
     name: Annotated[str, typer.Option(help="Nickname shown to other peers.", rich_help_panel=LOCAL)] = "",
     max_dataset_bytes: Annotated[Optional[int], typer.Option(min=1024, help="Read at most this many bytes of the dataset (faster start on big corpora).", rich_help_panel=LOCAL)] = None,
+    wait_for_peers: Annotated[int, typer.Option(min=0, help="Before training, wait up to 2 minutes until this many peers (this one included) are online. 0 = start at once.", rich_help_panel=SWARM)] = 0,
     target_group_size: Annotated[int, typer.Option(min=2, help="Most peers in one averaging group.", rich_help_panel=AVERAGING)] = 4,
     matchmaking_time: Annotated[float, typer.Option(min=0.5, help="Seconds a group leader waits for more peers before averaging starts.", rich_help_panel=AVERAGING)] = 5.0,
     averaging_window: Annotated[float, typer.Option(min=1.0, help="Seconds to look for a group before going solo for this outer step.", rich_help_panel=AVERAGING)] = 30.0,
@@ -161,6 +162,7 @@ def join(
         metrics_file=metrics_file,
         max_dataset_bytes=max_dataset_bytes,
         name=name,
+        wait_for_peers=wait_for_peers,
         fault=fault,
     )
     run_node(config)

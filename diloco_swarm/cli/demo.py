@@ -59,6 +59,7 @@ def run_demo(*, peers: int, outer_steps: int, inner_steps: int, port: int, workd
         "--max-dataset-bytes", str(8_000_000),
         "--device", "cpu",
         "--threads", "1",
+        "--wait-for-peers", str(peers),
     ]
     if dataset:
         common += ["--dataset", dataset]

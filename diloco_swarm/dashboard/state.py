@@ -56,7 +56,6 @@ class PeerView:
     last_expiration: float = 0.0
     left: bool = False  # said goodbye
     history: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
-    last_sample: float = 0.0
 
     def state(self, now: float, stale_after_s: float, gone_after_s: float) -> str:
         if self.left or now - self.last_heard > gone_after_s:
@@ -113,23 +112,12 @@ class SwarmState:
             return
         record = entry.record.dict()
         if view is None:
-            view = self.peers[entry.owner] = PeerView(entry.owner, record, first_seen=now, last_heard=now,
-                                                      last_expiration=entry.expiration)
-            self._add_peer_sample(view, now, force=True)
+            self.peers[entry.owner] = PeerView(entry.owner, record, first_seen=now, last_heard=now,
+                                               last_expiration=entry.expiration)
             return
         if entry.expiration > view.last_expiration:  # re-published since the last poll
             view.last_expiration, view.last_heard, view.left = entry.expiration, now, False
-            changed = record != view.record
             view.record = record
-            if changed:
-                self._add_peer_sample(view, now)
-
-    def _add_peer_sample(self, view: PeerView, now: float, force: bool = False) -> None:
-        if not force and now - view.last_sample < self.sample_s:
-            return
-        r = view.record or {}
-        view.history.append([round(now, 3), r.get("loss"), r.get("tokens_per_s"), r.get("outer_step")])
-        view.last_sample = now
 
     def _expire(self, now: float) -> None:
         for owner, view in list(self.peers.items()):
@@ -141,11 +129,17 @@ class SwarmState:
                 del self.peers[owner]
 
     def _sample(self, now: float) -> None:
+        """Every ``sample_s``: one point for the swarm, and one for each online peer."""
         if now - self._last_swarm_sample < self.sample_s:
             return
         t = self.totals(now)
-        self.swarm.append([round(now, 3), t["peers_online"], t["tokens_per_s"], t["mean_loss"], t["newest_outer_step"]])
+        ts = round(now, 3)
+        self.swarm.append([ts, t["peers_online"], t["tokens_per_s"], t["mean_loss"], t["newest_outer_step"]])
         self._last_swarm_sample = now
+        for view in self.peers.values():
+            if view.record is not None and view.state(now, self.stale_after_s, self.gone_after_s) == "online":
+                r = view.record
+                view.history.append([ts, r.get("loss"), r.get("tokens_per_s"), r.get("outer_step")])
 
     # ------------------------------------------------------------------ reading
     def peer_rows(self, now: float | None = None) -> list[dict[str, Any]]:
@@ -259,7 +253,6 @@ class SwarmState:
                                 last_heard=float(p["last_heard"]), last_expiration=float(p["last_expiration"]),
                                 left=bool(p["left"]))
                 view.history.extend(_sample(s, 4) for s in p.get("history", [])[-MAX_SAMPLES:])
-                view.last_sample = view.history[-1][0] if view.history else 0.0
                 peers[view.owner] = view
         except Exception as e:
             logger.warning(f"ignoring the unreadable dashboard history {self.path}: {e}")

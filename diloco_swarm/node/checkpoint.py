@@ -49,9 +49,16 @@ def save_checkpoint(state_dir: Path, state: dict[str, Any]) -> Path:
     prev_tmp = state_dir / f".{PREVIOUS_NAME}.tmp"
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save({"format_version": FORMAT_VERSION, **state}, f)
-            f.flush()
-            os.fsync(f.fileno())
+            out = _WriteErrorRecorder(f)
+            try:
+                torch.save({"format_version": FORMAT_VERSION, **state}, out)
+                f.flush()
+                os.fsync(f.fileno())
+            except Exception as e:
+                error = out.error or (e if isinstance(e, OSError) else None)
+                if error is None:
+                    raise
+                raise OSError(error.errno, f"{error.strerror or error} while writing the checkpoint", str(target)) from e
         _check_loadable(Path(tmp_name))
         if target.exists():
             prev_tmp.unlink(missing_ok=True)
@@ -72,6 +79,25 @@ def save_checkpoint(state_dir: Path, state: dict[str, Any]) -> Path:
     finally:
         os.close(dir_fd)
     return target
+
+
+class _WriteErrorRecorder:
+    """The file object handed to ``torch.save``. torch turns a failed write (disk full, quota)
+    into an opaque ``RuntimeError`` ("unexpected pos"); this keeps the ``OSError`` behind it."""
+
+    def __init__(self, f):
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
 
 
 def _fsync_file(path: Path) -> None:

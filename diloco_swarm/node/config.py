@@ -32,5 +32,7 @@ class NodeConfig:
     eval_batches: int = 8
     max_dataset_bytes: int | None = None
     max_norm_ratio: float = 10.0
+    wait_for_peers: int = 0  # before training, wait (at most wait_for_peers_timeout) until this many peers are up
+    wait_for_peers_timeout: float = 120.0
     name: str = ""
     fault: str = ""  # test-only fault injection, hidden from --help

@@ -162,6 +162,8 @@ class Node:
 
         from diloco_swarm.averaging import codec
 
+        if spec.compression == "int8":
+            codec.encode(torch.zeros(1))  # import bitsandbytes (~5 s) now, not inside our first round
         if cfg.fault == "nan":
             codec.inject_nonfinite_scales(True)
 
@@ -316,6 +318,22 @@ class Node:
                 time.sleep(0.5)
         return False
 
+    def _wait_for_peers(self) -> None:
+        """Optional start barrier (``--wait-for-peers N``): wait until N peers, us included, are up."""
+        want = self.cfg.wait_for_peers
+        if want <= 1:
+            return
+        deadline = time.monotonic() + self.cfg.wait_for_peers_timeout
+        self.status.log(f"waiting for {want} peers (at most {self.cfg.wait_for_peers_timeout:.0f}s)")
+        while not self.stop.requested:
+            seen = 1 + len(self.averager.donors())
+            if seen >= want:
+                return
+            if time.monotonic() > deadline:
+                self.status.log(f"only {seen} of {want} peers showed up; starting anyway")
+                return
+            time.sleep(0.5)
+
     def _join_sync(self) -> None:
         """Late joiner: adopt the state of the most advanced peer if it is ahead of ours."""
         if not self.cfg.initial_peers:
@@ -451,6 +469,7 @@ class Node:
         self.clock.started = time.monotonic()
         try:
             self._setup()
+            self._wait_for_peers()
             self._join_sync()
             initial_eval = evaluate(self.model, self.eval_set, self.device)
             self.metrics.write({"event": "eval", "peer_id": self.peer_id, "outer_step": self.outer_step,
@@ -480,6 +499,7 @@ class Node:
                     self.outer.step(avg)
                     self.outer.copy_to(self.params)
                     self.outer_step += 1
+                round_step, round_digest = self.outer_step, _theta_digest(self.outer.theta)
                 self.tokens_total += tokens
                 self._checkpoint()
                 if not self.cfg.client_mode:
@@ -500,7 +520,8 @@ class Node:
                 }
                 record = {
                     "event": "outer_step",
-                    "outer_step": self.outer_step,
+                    "outer_step": round_step,
+                    "synced_to": self.outer_step if self.outer_step != round_step else None,
                     "peer_id": self.peer_id,
                     "group_size": result.group_size,
                     "group": result.group_peer_ids,
@@ -518,7 +539,7 @@ class Node:
                     "digest_confirmed_by": result.agreed_peers,
                     "failed_rounds": self.failed_rounds,
                     "state_syncs": self.state_syncs,
-                    "theta_digest": _theta_digest(self.outer.theta),
+                    "theta_digest": round_digest,
                     "inner_s": round(self.clock.inner_s, 3),
                     "wall_s": round(time.monotonic() - self.clock.started, 3),
                     "goodput": round(self.clock.goodput(), 4),

@@ -1,0 +1,147 @@
+"""Helpers for multi-process swarm tests: real ``diloco-node join`` processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# Small and fast: tiny model, short sequences, a 300 KB slice of the standard library.
+FAST_ARGS = [
+    "--host", "127.0.0.1",
+    "--model", "tiny",
+    "--seq-len", "64",
+    "--batch-size", "4",
+    "--inner-steps", "10",
+    "--max-dataset-bytes", "300000",
+    "--threads", "1",
+    "--device", "cpu",
+    "--matchmaking-time", "3",
+    "--averaging-window", "40",
+    "--allreduce-timeout", "20",
+]
+
+
+@dataclass
+class NodeProc:
+    name: str
+    state_dir: Path
+    metrics: Path
+    log: Path
+    args: list[str]
+    proc: subprocess.Popen | None = None
+    log_handles: list = field(default_factory=list)
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        if not self.metrics.exists():
+            return []
+        out = []
+        for line in self.metrics.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if kind is None or e.get("event") == kind:
+                out.append(e)
+        return out
+
+    def outer_steps(self) -> list[dict]:
+        return self.events("outer_step")
+
+    def maddr(self) -> str:
+        return next(e["maddrs"][0] for e in self.events("start"))
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class Swarm:
+    """Starts nodes, waits on their metrics, and always cleans up (use as a context manager)."""
+
+    def __init__(self, root: Path, run_id: str, extra: list[str] | None = None):
+        self.root, self.run_id, self.extra = root, run_id, list(extra or [])
+        self.nodes: dict[str, NodeProc] = {}
+
+    def start(self, name: str, *args: str, initial: "NodeProc | None" = None, wait_start: bool = True,
+              timeout: float = 90) -> NodeProc:
+        node = self.nodes.get(name)
+        if node is None:
+            d = self.root / name
+            node = NodeProc(name, d, d / "metrics.jsonl", self.root / f"{name}.log", [])
+            self.nodes[name] = node
+        cmd = [sys.executable, "-m", "diloco_swarm", "join", "--run-id", self.run_id, *FAST_ARGS, *self.extra,
+               "--state-dir", str(node.state_dir), "--metrics-file", str(node.metrics), "--port", "0", *args]
+        if initial is not None:
+            cmd += ["--initial-peers", initial.maddr()]
+        node.args = cmd
+        log = open(node.log, "a")
+        node.log_handles.append(log)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        node.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        if wait_start:
+            n_starts = len(node.events("start"))
+            self.wait(lambda: len(node.events("start")) > n_starts, timeout, f"{name} did not start", node)
+        return node
+
+    def wait(self, predicate, timeout: float, what: str, node: NodeProc | None = None, poll: float = 0.3):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            if node is not None and node.proc is not None and node.proc.poll() is not None and not predicate():
+                raise AssertionError(f"{what}: {node.name} exited with {node.proc.returncode}\n{node.output()[-3000:]}")
+            time.sleep(poll)
+        logs = "\n".join(f"--- {n.name}\n{n.output()[-2000:]}" for n in self.nodes.values())
+        raise AssertionError(f"timed out after {timeout}s: {what}\n{logs}")
+
+    def wait_exit(self, node: NodeProc, timeout: float) -> int:
+        try:
+            return node.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{node.name} did not exit within {timeout}s\n{node.output()[-3000:]}")
+
+    def kill(self, node: NodeProc, sig: int = signal.SIGKILL) -> None:
+        if node.alive():
+            node.proc.send_signal(sig)
+
+    def close(self) -> None:
+        for node in self.nodes.values():
+            if node.alive():
+                node.proc.kill()
+            if node.proc is not None:
+                try:
+                    node.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+            for h in node.log_handles:
+                h.close()
+        # p2pd daemons of SIGKILLed nodes are orphans: end them too (only ours: matched by state dir).
+        subprocess.run(["pkill", "-f", str(self.root)], check=False)
+
+    def __enter__(self) -> "Swarm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_theta(node: NodeProc) -> list[torch.Tensor]:
+    state = torch.load(node.state_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
+    return state["outer"]["theta"]
+
+
+def relative_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    num = sum(float((x - y).pow(2).sum()) for x, y in zip(a, b))
+    den = sum(float(x.pow(2).sum()) for x in a)
+    return (num / max(den, 1e-30)) ** 0.5

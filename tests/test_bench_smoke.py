@@ -1,0 +1,65 @@
+"""Smoke test of the benchmarks: each one runs at toy size and renders its report section.
+
+Benchmarks are not tests: nothing here checks a time or a ratio, only that every benchmark runs
+end to end and writes its JSON, its markdown section and its plot. Everything goes to tmp_path;
+docs/benchmarks.md and bench/out/ are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # bench/ is a top-level folder, not part of the installed package
+
+from bench import NAMES  # noqa: E402
+from bench.cli import main  # noqa: E402
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(300)
+def test_every_benchmark_runs_at_toy_size(tmp_path):
+    out, doc = tmp_path / "out", tmp_path / "docs" / "benchmarks.md"
+    rc = main(["all", "--size", "smoke", "--out-dir", str(out), "--doc", str(doc)])
+    assert rc == 0
+    text = doc.read_text()
+    for name in NAMES:
+        result = json.loads((out / f"{name}.smoke.json").read_text())
+        assert result["name"] == name and result["size"] == "smoke"
+        assert result["provenance"]["command"].startswith("python -m bench all")
+        assert f"<!-- bench:{name} size=smoke -->" in text
+    wire = json.loads((out / "wire.smoke.json").read_text())
+    assert all(r["all_ok"] for r in wire["rows"]), "an averaging round of the wire benchmark failed"
+    assert (doc.parent / "bench-quality.png").stat().st_size > 0
+    assert "TODO: churn" in text
+
+
+@pytest.mark.timeout(60)
+def test_report_keeps_full_sections_and_untouched_ones(tmp_path):
+    from bench.common import provenance, save_result
+    from bench.report import update_doc
+
+    out, doc = tmp_path / "out", tmp_path / "benchmarks.md"
+    doc.write_text("stale intro\n<!-- bench:codec size=full -->\n## codec\nFULL FIGURES\n<!-- /bench:codec -->\n"
+                   "<!-- bench:wire size=full -->\n## wire\nWIRE FIGURES\n<!-- /bench:wire -->\n")
+    row = {"codec": "fp16", "values": 10, "note": "", "repeats": 1, "encode_s": [1.0], "decode_s": [1.0],
+           "encode_gbps": 1.0, "decode_gbps": 1.0, "roundtrip_gbps": 0.5, "bytes_per_value": 2.0,
+           "rel_err_gaussian": 1e-4, "rel_err_mixed_scale": 1e-4}
+    save_result(out, "codec", "quick", {"name": "codec", "size": "quick", "elapsed_s": 1.0, "loadavg_end": None,
+                                        "provenance": provenance("python -m bench codec --quick"),
+                                        "torch_threads": 1, "rows": [row]})
+    update_doc(doc, out)
+    text = doc.read_text()
+    assert "FULL FIGURES" in text and "WIRE FIGURES" in text  # a quick result never replaces a full section
+    assert "python -m bench all" in text and "stale intro" not in text  # the intro is regenerated
+    save_result(out, "codec", "full", {"name": "codec", "size": "full", "elapsed_s": 1.0, "loadavg_end": None,
+                                       "provenance": provenance("python -m bench codec"), "torch_threads": 1,
+                                       "rows": [row]})
+    update_doc(doc, out)
+    text = doc.read_text()
+    assert "FULL FIGURES" not in text and "| fp16 |" in text and "WIRE FIGURES" in text
