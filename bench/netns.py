@@ -35,7 +35,7 @@ SIZES = {
     "quick": {"peers": 4, "model": "tiny", "H": 10, "seq_len": 64, "batch": 4, "outer_steps": 3,
               "runs": [("no limit", None, "int8"), ("100mbit", "100mbit", "int8")], "max_bytes": 1_000_000,
               "timeout": 400},
-    "full": {"peers": 4, "model": "small", "H": 10, "seq_len": 64, "batch": 4, "outer_steps": 5,
+    "full": {"peers": 4, "model": "small", "H": 5, "seq_len": 64, "batch": 4, "outer_steps": 4,
              "runs": [("no limit", None, "int8"), ("100mbit", "100mbit", "int8"), ("100mbit", "100mbit", "fp32")],
              "max_bytes": 4_000_000, "timeout": 900},
 }
@@ -63,7 +63,20 @@ def _node_cmd(cfg, tag: str, compression: str, host: str, state: Path, metrics: 
             "--matchmaking-time", str(MATCHMAKING_S), "--averaging-window", str(AVERAGING_WINDOW_S),
             "--target-group-size", str(cfg["peers"]), "--max-dataset-bytes", str(cfg["max_bytes"]),
             "--device", "cpu", "--threads", "1",
-            "--state-dir", str(state), "--metrics-file", str(metrics), *extra]
+            "--state-dir", str(state), "--metrics-file", str(metrics),
+            *(["--wait-for-peers", str(cfg["peers"])] if _join_supports("--wait-for-peers") else []), *extra]
+
+
+_HELP_CACHE: list[str] = []
+
+
+def _join_supports(flag: str) -> bool:
+    """Whether ``diloco-node join`` has ``flag`` (the CLI is evolving; ask its --help once)."""
+    if not _HELP_CACHE:
+        r = subprocess.run([sys.executable, "-m", "diloco_swarm", "join", "--help"], capture_output=True, text=True,
+                           cwd=REPO, timeout=120, env={**__import__("os").environ, "COLUMNS": "200"})
+        _HELP_CACHE.append(r.stdout)
+    return flag in _HELP_CACHE[0]
 
 
 def _run_swarm(cfg, tag: str, compression: str, placements: list[tuple[list[str], str]], workdir: Path,
@@ -114,11 +127,14 @@ def _run_swarm(cfg, tag: str, compression: str, placements: list[tuple[list[str]
     for i in range(n):
         events = _read_events(metrics[i])
         steps = [e for e in events if e.get("event") == "outer_step"]
-        steady = None
-        if len(steps) >= 2:
-            a, b = steps[0], steps[-1]
+        # steady window: from the first outer step that averaged with the whole group to the last step
+        full = [j for j, e in enumerate(steps) if e.get("group_size") == n and e.get("round_ok")]
+        steady, window = None, None
+        if full and len(steps) - full[0] >= 2:
+            a, b = steps[full[0]], steps[-1]
             dw = b["wall_s"] - a["wall_s"]
             steady = (b["inner_s"] - a["inner_s"]) / dw if dw > 0 else None
+            window = [a.get("outer_step"), b.get("outer_step")]
         peers.append({
             "exit_code": codes[i],
             "outer_steps": len(steps),
@@ -127,7 +143,13 @@ def _run_swarm(cfg, tag: str, compression: str, placements: list[tuple[list[str]
             "averaging_s": [e.get("averaging_s") for e in steps],
             "bytes_sent": [e.get("bytes_sent") for e in steps],
             "steady_utilization": steady,
-            "overall_utilization": steps[-1].get("goodput") if steps else None,
+            "steady_window_outer_steps": window,
+            "reasons": [e.get("reason") for e in steps],
+            "averaging_total_s": steps[-1].get("averaging_total_s") if steps else None,
+            "sync_s": steps[-1].get("sync_s") if steps else None,
+            "state_syncs": sum(1 for e in events if e.get("event") == "state_sync"),
+            "overall_utilization": (steps[-1]["inner_s"] / steps[-1]["wall_s"]) if steps and steps[-1].get("wall_s")
+            else None,
             "inner_s": steps[-1].get("inner_s") if steps else None,
             "wall_s": steps[-1].get("wall_s") if steps else None,
             "eval_loss_last": steps[-1].get("eval_loss") if steps else None,
@@ -218,12 +240,26 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         f"batch {cfg['batch']}, {cfg['outer_steps']} outer steps, matchmaking {result['matchmaking_time']} s, "
         f"averaging window {result['averaging_window']} s, `--device cpu`.\n",
         "Compute utilization = inner-step time / wall time from each node's metrics (`inner_s`, `wall_s`), mean "
-        "over the nodes; *steady* = between the first and the last outer step; *overall* = since the node "
-        "started (`goodput`).\n",
+        "over the nodes; *steady* = from the first outer step verified with the whole group to the last one "
+        "(start-up, waiting for peers and solo rounds excluded; – when fewer than two such steps); *overall* = "
+        "`inner_s / wall_s` at the last step, since the node started.\n",
         md_table(["link", "codec", "outer steps (all nodes)", "verified rounds", "utilization, steady",
                   "utilization, overall", "averaging s per step", "payload sent per step", "link tx per step",
                   "exit codes"], rows),
     ]
+    problems = []
+    for r in result["runs"]:
+        reasons = sorted({x for p in r["peers"] for x in p.get("reasons", []) if x})
+        if reasons:
+            problems.append(f"- {r['label']}, {r['compression']}: rounds not verified: " + "; ".join(
+                x[:120] for x in reasons[:4]))
+        for i, p in enumerate(r["peers"]):
+            if p["exit_code"] != 0:
+                last = (p.get("log_tail") or "").strip().splitlines()[-1:] or ["(no output)"]
+                problems.append(f"- {r['label']}, {r['compression']}: node {i} exited {p['exit_code']}: "
+                                f"`{last[0][:160]}`")
+    if problems:
+        md.append("\nWhat went wrong in this run:\n\n" + "\n".join(problems) + "\n")
     base = next((r for r in result["runs"] if r["rate"] is None), None)
     for r in result["runs"]:
         if base is not None and r is not base and r["compression"] == base["compression"]:

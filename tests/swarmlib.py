@@ -127,7 +127,7 @@ class Swarm:
             for h in node.log_handles:
                 h.close()
         # p2pd daemons of SIGKILLed nodes are orphans: end them too (only ours: matched by state dir).
-        subprocess.run(["pkill", "-f", str(self.root)], check=False)
+        subprocess.run(["pkill", "-f", f"{self.root}/.*identity.key"], check=False)
 
     def __enter__(self) -> "Swarm":
         return self

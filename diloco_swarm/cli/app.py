@@ -98,7 +98,7 @@ def join(
     matchmaking_time: Annotated[float, typer.Option(min=0.5, help="Seconds a group leader waits for more peers before averaging starts.", rich_help_panel=AVERAGING)] = 5.0,
     averaging_window: Annotated[float, typer.Option(min=1.0, help="Seconds to look for a group before going solo for this outer step.", rich_help_panel=AVERAGING)] = 30.0,
     allreduce_timeout: Annotated[float, typer.Option(min=1.0, help="Seconds the all-reduce may take once a group formed.", rich_help_panel=AVERAGING)] = 60.0,
-    fault: Annotated[str, typer.Option(hidden=True, help="Test-only fault injection: nan | huge.")] = "",
+    fault: Annotated[str, typer.Option(hidden=True, help="Test-only fault injection: nan | huge | stall-allreduce.")] = "",
 ) -> None:
     """Join (or start) a training swarm and train until stopped.
 
@@ -110,8 +110,8 @@ def join(
     from diloco_swarm.node.config import NodeConfig
     from diloco_swarm.spec import RunSpec
 
-    if fault not in ("", "nan", "huge"):
-        raise fail(f"--fault must be nan or huge, got '{fault}'")
+    if fault not in ("", "nan", "huge", "stall-allreduce"):
+        raise fail(f"--fault must be nan, huge or stall-allreduce, got '{fault}'")
     if matchmaking_time >= averaging_window:
         raise fail("--matchmaking-time must be shorter than --averaging-window")
     try:

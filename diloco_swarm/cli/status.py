@@ -80,15 +80,26 @@ def _f(value: Any, digits: int = 3) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
-def render_table(rows: list[dict[str, Any]], run_id: str) -> Table:
+def render_table(rows: list[dict[str, Any]], run_id: str, width: int = 120) -> Table:
+    """The peer table; below 110 columns it leaves out reach, goodput and uptime to stay readable."""
+    from rich import box
+
     from diloco_swarm.dashboard.render import fmt_duration, fmt_si, short_id
 
-    table = Table(title=Text(f"run {run_id}"), title_justify="left", header_style="bold", pad_edge=False,
-                  expand=False)
-    for col, justify in (("peer", "left"), ("state", "left"), ("device", "left"), ("step", "right"),
-                         ("loss", "right"), ("tok/s", "right"), ("last round", "left"), ("goodput", "right"),
-                         ("reach", "left"), ("uptime", "right")):
-        table.add_column(col, justify=justify, no_wrap=col not in ("peer", "device"))
+    wide = width >= 110
+    table = Table(title=Text(f"run {run_id}"), title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
+                  pad_edge=False, padding=(0, 1))
+    table.add_column("peer", min_width=14, overflow="fold")
+    table.add_column("state", no_wrap=True)
+    table.add_column("device", min_width=6, overflow="fold")
+    table.add_column("step", justify="right", no_wrap=True)
+    table.add_column("loss", justify="right", no_wrap=True)
+    table.add_column("tok/s", justify="right", no_wrap=True)
+    table.add_column("last round", no_wrap=True)
+    if wide:
+        table.add_column("goodput", justify="right", no_wrap=True)
+        table.add_column("reach", no_wrap=True)
+        table.add_column("uptime", justify="right", no_wrap=True)
     for r in rows:
         peer = Text(r["name"] + " " if r["name"] else "", style="bold")  # Text: never parsed as markup
         peer.append(short_id(r["peer_id"]), style="dim")
@@ -101,11 +112,11 @@ def render_table(rows: list[dict[str, Any]], run_id: str) -> Table:
         if r["failed_rounds"]:
             rnd.append(f" ({r['failed_rounds']} failed)", style="red")
         state = Text(r["state"], style="green" if r["state"] == "online" else "yellow")
-        table.add_row(
-            peer, state, Text(f"{r['device']} {r['precision']}".strip()), str(r["outer_step"]), _f(r["loss"]),
-            fmt_si(r["tokens_per_s"]), rnd, f"{100 * r['goodput']:.0f}%", r["reachability"],
-            fmt_duration(r["uptime_s"]), style="dim" if r["state"] != "online" else None,
-        )
+        cells = [peer, state, Text(f"{r['device']} {r['precision']}".strip()), str(r["outer_step"]), _f(r["loss"]),
+                 fmt_si(r["tokens_per_s"]), rnd]
+        if wide:
+            cells += [f"{100 * r['goodput']:.0f}%", r["reachability"], fmt_duration(r["uptime_s"])]
+        table.add_row(*cells, style="dim" if r["state"] != "online" else None)
     return table
 
 
@@ -156,8 +167,8 @@ def status(
         print(json.dumps(doc, indent=2, allow_nan=False))
         return
     if not rows:
-        out.print(Text(f"no peer records found for run '{run_id}': is the run id right, and are its nodes running?"))
+        out.print(Text(f"no peer records found for run '{run_id}': is the run id right, and are its nodes running?"), soft_wrap=True)
         return
-    out.print(render_table(rows, run_id))
+    out.print(render_table(rows, run_id, width=out.width))
     out.print(Text(summary_line(totals)))
 

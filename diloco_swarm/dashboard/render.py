@@ -187,10 +187,15 @@ def legend(series: Iterable[dict[str, Any]]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ page
-def _colors(rows: list[dict[str, Any]]) -> dict[str, int]:
-    """A stable palette slot per owner: in order of first sight."""
-    order = sorted(rows, key=lambda r: (r.get("first_seen") or 0, r["owner"]))
-    return {r["owner"]: i % PALETTE_SIZE for i, r in enumerate(order)}
+MAX_CHART_PEERS = 8  # lines per chart besides the swarm's; the rest are summed in the swarm line
+
+
+def _charted(doc: dict[str, Any]) -> dict[str, int]:
+    """Peers that get a line (table order: online first), each with its own palette slot."""
+    peer_hist = (doc.get("history") or {}).get("peers") or {}
+    chosen = [r for r in doc["peers"] if r["owner"] in peer_hist][:MAX_CHART_PEERS]
+    chosen.sort(key=lambda r: (r.get("first_seen") or 0, r["owner"]))
+    return {r["owner"]: i % PALETTE_SIZE for i, r in enumerate(chosen)}
 
 
 def _label(row: dict[str, Any]) -> str:
@@ -203,10 +208,8 @@ def _charts(doc: dict[str, Any], colors: dict[str, int], now: float) -> str:
     peer_hist = hist.get("peers") or {}
     rows = {r["owner"]: r for r in doc["peers"]}
     loss_series, tps_series = [], []
-    for owner, cols in peer_hist.items():
-        row = rows.get(owner)
-        if row is None:
-            continue
+    for owner in colors:
+        row, cols = rows[owner], peer_hist[owner]
         t = cols.get("t", [])
         loss_series.append({"label": _label(row), "color": colors[owner], "points": list(zip(t, cols.get("loss", [])))})
         tps_series.append({"label": _label(row), "color": colors[owner],
@@ -269,7 +272,8 @@ def _peer_table(doc: dict[str, Any], colors: dict[str, int]) -> str:
         state = r["state"]
         name = text(r.get("name"), 64)
         pid = text(r.get("peer_id"), 128)
-        peer = (f'<span class="swatch c{colors[r["owner"]]}"></span>'
+        swatch = f'<span class="swatch c{colors[r["owner"]]}"></span>' if r["owner"] in colors else ""
+        peer = (swatch
                 + (f'<b class="name">{name}</b><br>' if name else "")
                 + f'<code class="pid" title="{pid}">{text(short_id(r.get("peer_id")))}</code>')
         reach = {"direct": "direct", "client": "client/relay"}.get(r.get("reachability"), "–")
@@ -315,7 +319,7 @@ def _states_legend(doc: dict[str, Any]) -> str:
 def render_live(doc: dict[str, Any], now: float | None = None) -> str:
     """The part of the page that refreshes: status bar, totals, charts, peer table."""
     now = doc.get("generated", time.time()) if now is None else now
-    colors = _colors(doc["peers"])
+    colors = _charted(doc)
     if doc.get("last_poll") is None:
         status = '<span class="dot wait"></span>connecting to the swarm…'
     elif doc.get("last_poll_ok"):

@@ -275,6 +275,8 @@ class PeerRecordPublisher:
         RSASignatureValidator's public key is our subkey).
     :param snapshot: returns the record fields (see :class:`PeerRecord`); called from the
         publisher thread, so it must be cheap and thread-safe (reading plain attributes is fine).
+        Values are coerced and clamped by :func:`normalize_snapshot`; ``updated`` is always set
+        to the time of publication.
     """
 
     def __init__(self, dht, run_id: str, validators: list, snapshot: Callable[[], dict], interval_s: float = 5.0):
@@ -313,7 +315,7 @@ class PeerRecordPublisher:
             with self._lock:
                 if self._stopped.is_set():
                     return False
-                value = normalize_snapshot(self.snapshot())
+                value = normalize_snapshot({**self.snapshot(), "updated": time.time()})
                 return self._store(value, get_dht_time() + 3 * self.interval_s)
         except Exception as e:
             logger.warning(f"could not publish this peer's record: {e!r}")

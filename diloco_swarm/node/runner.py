@@ -68,14 +68,15 @@ def pick_device(name: str) -> torch.device:
 class Clock:
     """Wall seconds by activity, for goodput (share of wall time spent in inner steps that were applied)."""
 
-    inner_s: float = 0.0
-    averaging_s: float = 0.0
-    other_s: float = 0.0
+    inner_s: float = 0.0  # all inner steps
+    wasted_inner_s: float = 0.0  # inner steps whose Δ was thrown away (state re-sync, stop)
+    averaging_s: float = 0.0  # matchmaking + all-reduce + verification
+    sync_s: float = 0.0  # waiting for peers and downloading state
     started: float = 0.0
 
     def goodput(self) -> float:
         total = time.monotonic() - self.started
-        return self.inner_s / total if total > 0 else 0.0
+        return (self.inner_s - self.wasted_inner_s) / total if total > 0 else 0.0
 
 
 class StopFlag:
@@ -166,6 +167,10 @@ class Node:
             codec.encode(torch.zeros(1))  # import bitsandbytes (~5 s) now, not inside our first round
         if cfg.fault == "nan":
             codec.inject_nonfinite_scales(True)
+        elif cfg.fault == "stall-allreduce":
+            from diloco_swarm.averaging import allreduce
+
+            allreduce.STALL_MARKER = cfg.state_dir / "allreduce-stalled"
 
         self.dht = start_dht(
             initial_peers=cfg.initial_peers,
@@ -306,7 +311,7 @@ class Node:
                 self._checkpoint()
                 self.state_syncs += 1
                 seconds = time.monotonic() - t0
-                self.clock.other_s += seconds
+                self.clock.sync_s += seconds
                 self.metrics.write({"event": "state_sync", "peer_id": self.peer_id, "donor": peer,
                                     "reason": reason, "from_outer_step": before, "outer_step": self.outer_step,
                                     "bytes": received, "seconds": round(seconds, 3),
@@ -345,8 +350,16 @@ class Node:
             if not donors:
                 time.sleep(0.5)
         if not donors:
-            self.status.log("no peer shares its state yet: starting from " +
-                            ("our checkpoint" if self.outer_step else "the initial weights"))
+            # Bootstrap check (guards against DHT splits, hivemind #624): we were given initial
+            # peers but see nobody of this run. Re-bootstrap once, then warn in one line.
+            with contextlib.suppress(Exception):
+                self.dht.run_coroutine(_rebootstrap(self.cfg.initial_peers))
+            time.sleep(1.0)
+            donors = self.averager.donors()
+        if not donors:
+            self.status.log(f"warning: this node sees no other peer of run '{self.spec.run_id}' yet; check "
+                            "--run-id and --initial-peers. Training alone until peers appear; starting from "
+                            + ("our checkpoint" if self.outer_step else "the initial weights"))
             return
         newest = int(max(donors.values()))
         if newest > self.outer_step and not self._sync_state(min_step=newest, reason="join", attempts=3):
@@ -479,8 +492,11 @@ class Node:
             while not self.stop.requested and (
                 self.cfg.max_outer_steps <= 0 or self.outer_step < self.cfg.max_outer_steps
             ):
+                inner_before = self.clock.inner_s
                 loss, tokens = self._inner_steps()
+                round_inner_s = self.clock.inner_s - inner_before
                 if self.stop.requested:
+                    self.clock.wasted_inner_s += round_inner_s
                     break  # abandon the partial inner steps; θ_global is in the last checkpoint
                 delta = self.outer.pseudo_gradient(self.params)
                 if not all(torch.isfinite(d).all() for d in delta):
@@ -489,6 +505,7 @@ class Node:
                         f"values; the last good checkpoint is kept; lower --inner-lr and restart"
                     )
                 t0 = time.monotonic()
+                self.metrics.write({"event": "averaging_start", "peer_id": self.peer_id, "outer_step": self.outer_step})
                 self._status(force=False, phase="averaging")
                 mine = (self.outer_step, _theta_digest(self.outer.theta))
                 result, avg = self._average(delta, tokens, mine[1])
@@ -505,7 +522,10 @@ class Node:
                 if not self.cfg.client_mode:
                     self.averager.state_sharing_priority = float(self.outer_step)
                 if result.gathered and not self.stop.requested:
+                    syncs_before = self.state_syncs
                     self._reconcile(result.gathered, mine)
+                    if self.state_syncs != syncs_before:
+                        self.clock.wasted_inner_s += round_inner_s  # our Δ was replaced by the swarm's state
                 eval_loss = evaluate(self.model, self.eval_set, self.device)
                 with contextlib.suppress(Exception):
                     publish_progress(self.dht, self.spec.run_id, self.peer_id, self.outer_step)
@@ -541,6 +561,9 @@ class Node:
                     "state_syncs": self.state_syncs,
                     "theta_digest": round_digest,
                     "inner_s": round(self.clock.inner_s, 3),
+                    "wasted_inner_s": round(self.clock.wasted_inner_s, 3),
+                    "averaging_total_s": round(self.clock.averaging_s, 3),
+                    "sync_s": round(self.clock.sync_s, 3),
                     "wall_s": round(time.monotonic() - self.clock.started, 3),
                     "goodput": round(self.clock.goodput(), 4),
                 }
@@ -569,6 +592,21 @@ class Node:
         self.metrics.close()
         if self.lock is not None:
             self.lock.release()
+
+
+class _rebootstrap:
+    """DHT coroutine (runs in the DHT process): ping the initial peers again to refill the routing table."""
+
+    def __init__(self, initial_peers: list[str]):
+        self.initial_peers = list(initial_peers)
+
+    async def __call__(self, _dht, node) -> None:
+        from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
+
+        for addr in self.initial_peers:
+            peer_id = PeerID.from_base58(Multiaddr(addr).value_for_protocol("p2p"))
+            await node.protocol.call_ping(peer_id)
 
 
 def _theta_digest(theta: list[torch.Tensor]) -> str:
