@@ -3,7 +3,8 @@
 DHT keys of a run (see docs/protocol.md):
 
 - ``{run_id}_spec``: the :class:`~diloco_swarm.spec.RunSpec` as a dict, refreshed by every peer.
-- ``{run_id}_progress``: one subkey per peer id, ``{"outer_step": int, "time": float}``.
+- ``{run_id}_peers``: one signed record per peer (see :mod:`diloco_swarm.dht.records`).
+- ``{run_id}.all_averagers``: hivemind's list of state donors, priority = their outer step.
 - ``{run_id}_round_{group_id}``: one subkey per member, the digest of the average it applied.
 """
 
@@ -25,7 +26,6 @@ from diloco_swarm.spec import RunSpec, SpecMismatch
 from diloco_swarm.utils import hivemind_fixes  # noqa: F401  (patches hivemind before any DHT forks)
 
 SPEC_TTL_S = 3600.0
-PROGRESS_TTL_S = 300.0
 
 
 class SwarmError(Exception):
@@ -184,30 +184,3 @@ def ensure_run_spec(dht: DHT, spec: RunSpec, *, joining: bool, attempts: int = 3
 
 def refresh_run_spec(dht: DHT, spec: RunSpec) -> None:
     dht.store(f"{spec.run_id}_spec", spec.model_dump(), expiration_time=get_dht_time() + SPEC_TTL_S)
-
-
-def publish_progress(dht: DHT, run_id: str, peer_id: str, outer_step: int) -> None:
-    dht.store(
-        f"{run_id}_progress",
-        {"outer_step": int(outer_step), "time": time.time()},
-        expiration_time=get_dht_time() + PROGRESS_TTL_S,
-        subkey=peer_id,
-    )
-
-
-def read_progress(dht: DHT, run_id: str) -> dict[str, int]:
-    """Outer step of each live peer of the run, ``{peer_id: outer_step}``; malformed entries skipped."""
-    found = dht.get(f"{run_id}_progress", latest=True)
-    out: dict[str, int] = {}
-    if found is None or not isinstance(found.value, dict):
-        return out
-    for peer, item in found.value.items():
-        value = getattr(item, "value", None)
-        if isinstance(value, dict) and isinstance(value.get("outer_step"), int) and value["outer_step"] >= 0:
-            out[str(peer)] = value["outer_step"]
-    return out
-
-
-def remove_progress(dht: DHT, run_id: str, peer_id: str) -> None:
-    """Say goodbye: overwrite our progress record with one that expires now."""
-    dht.store(f"{run_id}_progress", None, expiration_time=get_dht_time() + 0.01, subkey=peer_id)

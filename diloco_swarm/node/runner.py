@@ -119,6 +119,10 @@ class Node:
         self.metrics = MetricsWriter(config.metrics_file)
         self.failed_rounds = 0
         self.state_syncs = 0
+        self.bytes_sent_total = 0
+        self.bytes_received_total = 0
+        self.last_eval_loss: float | None = None
+        self.records = None
         self.last_round: dict[str, Any] | None = None
         self._state_lock = threading.Lock()  # θ_global is read by the donation thread
 
@@ -172,6 +176,9 @@ class Node:
 
             allreduce.STALL_MARKER = cfg.state_dir / "allreduce-stalled"
 
+        from diloco_swarm.dht.records import PeerRecordPublisher, record_validators
+
+        validators = record_validators(spec.run_id, cfg.state_dir)
         self.dht = start_dht(
             initial_peers=cfg.initial_peers,
             host=cfg.host,
@@ -179,6 +186,7 @@ class Node:
             announce=cfg.announce,
             identity_path=cfg.state_dir / "identity.key",
             client_mode=cfg.client_mode,
+            record_validators=validators,
         )
         self.peer_id = self.dht.peer_id.to_base58()
         ensure_run_spec(self.dht, spec, joining=bool(cfg.initial_peers))
@@ -198,6 +206,8 @@ class Node:
         )
         if not cfg.client_mode:
             self.averager.state_sharing_priority = float(self.outer_step)
+        self.records = PeerRecordPublisher(self.dht, spec.run_id, validators, self._record_snapshot, interval_s=5.0)
+        self.records.start()
         addrs = visible_maddrs(self.dht)
         self.status.log(
             f"peer {self.peer_id} | run '{spec.run_id}' | model {spec.model} "
@@ -230,6 +240,36 @@ class Node:
                 "move it away to start fresh"
             ) from None
         self.outer.copy_to(self.params)
+
+    def _record_snapshot(self) -> dict[str, Any]:
+        """This peer's public record (dht/records.py), read by `status` and the dashboard."""
+        f = getattr(self, "_status_fields", {})
+        last = self.last_round or {}
+        if self.device.type == "cuda":
+            device, precision = torch.cuda.get_device_name(self.device), "bf16-autocast"
+        else:
+            device, precision = str(self.device), "fp32"
+        return {
+            "peer_id": self.peer_id,
+            "name": self.cfg.name,
+            "version": __version__,
+            "device": device,
+            "precision": precision,
+            "reachability": "client" if self.cfg.client_mode else "direct",
+            "outer_step": self.outer_step,
+            "tokens_per_s": float(f.get("tokens_per_s", 0.0)),
+            "loss": f.get("loss"),
+            "eval_loss": self.last_eval_loss,
+            "tokens_total": self.tokens_total,
+            "bytes_sent": self.bytes_sent_total,
+            "bytes_received": self.bytes_received_total,
+            "last_round_group_size": int(last.get("group_size", 0)),
+            "last_round_s": float(last.get("averaging_s", 0.0)),
+            "last_round_ok": last.get("round_ok"),
+            "failed_rounds": self.failed_rounds,
+            "goodput": min(1.0, max(0.0, self.clock.goodput())),
+            "uptime_s": time.monotonic() - self.clock.started,
+        }
 
     # ------------------------------------------------------------------ state transfer
     def _state_for_donation(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -476,7 +516,8 @@ class Node:
 
         :raises NodeError, CheckpointError, SwarmError, SpecMismatch, DatasetError: user-facing problems.
         """
-        from diloco_swarm.dht.swarm import publish_progress, read_progress, refresh_run_spec, remove_progress
+        from diloco_swarm.dht.records import read_peer_records
+        from diloco_swarm.dht.swarm import refresh_run_spec
 
         self.stop.install()
         self.clock.started = time.monotonic()
@@ -488,7 +529,7 @@ class Node:
             self.metrics.write({"event": "eval", "peer_id": self.peer_id, "outer_step": self.outer_step,
                                 "eval_loss": initial_eval})
             self.status.log(f"held-out loss at outer step {self.outer_step}: {initial_eval:.4f}")
-            publish_progress(self.dht, self.spec.run_id, self.peer_id, self.outer_step)
+            self.last_eval_loss = initial_eval
             while not self.stop.requested and (
                 self.cfg.max_outer_steps <= 0 or self.outer_step < self.cfg.max_outer_steps
             ):
@@ -526,11 +567,9 @@ class Node:
                     self._reconcile(result.gathered, mine)
                     if self.state_syncs != syncs_before:
                         self.clock.wasted_inner_s += round_inner_s  # our Δ was replaced by the swarm's state
-                eval_loss = evaluate(self.model, self.eval_set, self.device)
-                with contextlib.suppress(Exception):
-                    publish_progress(self.dht, self.spec.run_id, self.peer_id, self.outer_step)
-                    refresh_run_spec(self.dht, self.spec)
-                    self.peers_seen = max(1, len(read_progress(self.dht, self.spec.run_id)))
+                eval_loss = self.last_eval_loss = evaluate(self.model, self.eval_set, self.device)
+                self.bytes_sent_total += result.bytes_sent
+                self.bytes_received_total += result.bytes_received
                 self.last_round = {
                     "group_size": result.group_size,
                     "bytes_sent": result.bytes_sent,
@@ -568,6 +607,10 @@ class Node:
                     "goodput": round(self.clock.goodput(), 4),
                 }
                 self.metrics.write(record)
+                self.records.publish_now()
+                with contextlib.suppress(Exception):
+                    refresh_run_spec(self.dht, self.spec)
+                    self.peers_seen = max(1, len(read_peer_records(self.dht, self.spec.run_id)))
                 self._status(force=True)
                 if result.rejected_peers:
                     for peer, why in result.rejected_peers.items():
@@ -577,14 +620,15 @@ class Node:
             if self.averager is not None and not self.cfg.client_mode:
                 with contextlib.suppress(Exception):
                     self.averager.allow_state_sharing = False  # publishes "no longer a donor"
-            if self.dht is not None:
-                with contextlib.suppress(Exception):
-                    remove_progress(self.dht, self.spec.run_id, self.peer_id)
+            if self.records is not None:
+                self.records.stop(remove=True)  # goodbye: our record disappears at once
         finally:
             self._shutdown()
 
     def _shutdown(self) -> None:
         self.status.close()
+        if self.records is not None:
+            self.records.stop(remove=False)
         for part in (self.averager, self.dht):
             if part is not None:
                 with contextlib.suppress(Exception):
