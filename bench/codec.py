@@ -96,6 +96,17 @@ def _rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((x64 - y64).pow(2).mean().sqrt() / x64.pow(2).mean().sqrt())
 
 
+def _breakdown(x: torch.Tensor, repeats: int) -> dict[str, float]:
+    """Where our codec's time goes: the finiteness check and the bitsandbytes kernels, medians in seconds."""
+    from diloco_swarm.averaging import codec as ours
+
+    bnb, code, bs = ours._bnb_functional(), ours._dynamic_code(), ours.BLOCKSIZE
+    isfinite, _ = timed(lambda: bool(torch.isfinite(x).all()), repeats)
+    quant, (codes, state) = timed(lambda: bnb.quantize_blockwise(x, code=code, blocksize=bs), repeats)
+    dequant, _ = timed(lambda: bnb.dequantize_blockwise(codes, absmax=state.absmax, code=code, blocksize=bs), repeats)
+    return {"isfinite_check_s": median(isfinite), "bnb_quantize_s": median(quant), "bnb_dequantize_s": median(dequant)}
+
+
 def run(size: str) -> dict[str, Any]:
     cfg = SIZES[size]
     # hivemind's Uniform8Bit calls torch.quantize_per_tensor, which torch 2.13 flags as deprecated
@@ -131,6 +142,7 @@ def run(size: str) -> dict[str, Any]:
                 "rel_err_mixed_scale": err_mixed,
             })
             del encoded, decoded
+        rows[-3]["breakdown"] = _breakdown(gauss, cfg["repeats"])  # ours is the first codec of this size
     hm = codecs["hivemind Uniform8Bit"]
     return {"torch_threads": torch.get_num_threads(), "hivemind_extract_patched": hm["extract_patched"],
             "hivemind_extract_error": hm["extract_error"], "rows": rows}
@@ -170,4 +182,15 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
                          f"{hm[n]['rel_err_mixed_scale'] / ours[n]['rel_err_mixed_scale']:.2f}× on mixed-scale values")
         lines.append(f"- {human_count(n)} values: " + "; ".join(parts) + ".")
     md.append("\nSide by side (same run):\n\n" + "\n".join(lines) + "\n")
+    bd = [(r["values"], r) for r in rows if r.get("breakdown")]
+    if bd:
+        out = []
+        for n, r in bd:
+            b, enc, dec = r["breakdown"], median(r["encode_s"]), median(r["decode_s"])
+            out.append(f"- {human_count(n)} values: encode {enc:.3f} s = bitsandbytes `quantize_blockwise` "
+                       f"{b['bnb_quantize_s']:.3f} s + `isfinite` check {b['isfinite_check_s']:.3f} s + the rest "
+                       f"(copies, serialization) {max(enc - b['bnb_quantize_s'] - b['isfinite_check_s'], 0):.3f} s; "
+                       f"decode {dec:.3f} s, of which `dequantize_blockwise` {b['bnb_dequantize_s']:.3f} s.")
+        md.append("\nWhere our codec's time goes (medians, measured separately in the same run):\n\n"
+                  + "\n".join(out) + "\n")
     return "\n".join(md)

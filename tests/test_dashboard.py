@@ -455,9 +455,29 @@ def test_dashboard_in_a_browser_with_a_real_two_peer_swarm(tmp_path):
                 laptop = _screenshots(page, "dashboard-swarm")
                 if os.environ.get("DILOCO_UPDATE_DOCS_SCREENSHOT"):
                     shutil.copy(laptop, REPO / "docs" / "dashboard.png")
+                # node two leaves gracefully: its goodbye turns its row "gone" well before any expiry
+                procs[1].send_signal(signal.SIGINT)
+                t_leave = time.monotonic()
+                wait_until(lambda: page.locator("#peers tr.peer.gone").count() == 1, 30, what="node two gone")
+                assert time.monotonic() - t_leave < 25
+                assert page.locator("#peers tr.peer.gone .name").inner_text() == "node-two"
+                assert procs[1].wait(timeout=30) == 0
             finally:
                 browser.close()
     finally:
         stop_process(dash)
         for proc in procs:
             stop_process(proc, timeout=20)
+
+
+def test_many_peers_keep_the_charts_readable():
+    from diloco_swarm.dashboard.render import MAX_CHART_PEERS
+
+    st = SwarmState("r", sample_s=1)
+    now = time.time()
+    for k in range(3):
+        st.update([entry(f"o{i}", rec(f"P{i}", name=f"peer{i}"), now + 15 + k) for i in range(30)], now=now + k)
+    page = render_page(st.snapshot(now=now + 2))
+    loss_chart = page.split('id="chart-loss"')[1].split("</figure>")[0]
+    assert loss_chart.count('<g class="series') == MAX_CHART_PEERS + 1  # + the swarm line
+    assert page.count('<tr class="peer online"') == 30
