@@ -125,14 +125,17 @@ def median(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def timed(fn: Callable[[], Any], repeats: int) -> tuple[list[float], Any]:
-    """Wall seconds of ``repeats`` calls of ``fn`` (perf_counter), and the last return value."""
-    times, value = [], None
+def timed(fn: Callable[[], Any], repeats: int) -> tuple[list[float], list[float], Any]:
+    """Run ``fn`` ``repeats`` times: wall seconds (perf_counter), CPU seconds of this process
+    (process_time: all its threads), and the last return value. On a shared machine the CPU
+    seconds of single-process work are far steadier than the wall seconds."""
+    walls, cpus, value = [], [], None
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         value = fn()
-        times.append(time.perf_counter() - t0)
-    return times, value
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return walls, cpus, value
 
 
 def human_bytes(n: float) -> str:

@@ -100,16 +100,32 @@ def _x(v) -> str:
     return "–" if v is None else f"{v:,.0f}×" if v >= 100 else f"{v:.2f}×"
 
 
+def _summarize(rows: list[dict[str, Any]], H: int) -> None:
+    """Per-peer payload from the raw records: mean over peers and rounds (= total / n, independent of how
+    the load balancer split the vector) and the busiest peer; then the ratios."""
+    for r in rows:
+        ok = [x for x in r["records"] if x["ok"]]
+        n, P = r["n_peers"], r["params"]
+        r["mean_sent"] = sum(x["bytes_sent"] for x in ok) / len(ok) if ok else float("nan")
+        r["max_sent"] = max((x["bytes_sent"] for x in ok), default=float("nan"))
+        r["mean_bytes_per_value"] = r["mean_sent"] / (2 * (n - 1) / n * P)
+    by = {(r["preset"], r["n_peers"], r["compression"]): r for r in rows}
+    for r in rows:
+        fp32 = by.get((r["preset"], r["n_peers"], "fp32"))
+        r["fp32_over_this_mean"] = fp32["mean_sent"] / r["mean_sent"] if fp32 else None
+        r["dp_over_this_mean"] = r["dp_ring_bytes_per_outer_step"] / r["mean_sent"]
+
+
 def render(result: dict[str, Any], docs_dir: Path) -> str:
     rows = result["rows"]
+    _summarize(rows, result["H"])
     table = []
     for r in rows:
         table.append([
             f"{r['preset']} ({human_count(r['params'])})", r["n_peers"], r["compression"],
-            human_bytes(r["bytes_sent_per_peer"]), human_bytes(r["bytes_received_per_peer"]),
-            f"{r['sent_bytes_per_value']:.4f}",
+            human_bytes(r["mean_sent"]), human_bytes(r["max_sent"]), f"{r['mean_bytes_per_value']:.4f}",
             human_bytes(r["onwire_tx_per_peer"]) if r["onwire_tx_per_peer"] else "–",
-            _x(r["fp32_over_this"]), human_bytes(r["dp_ring_bytes_per_outer_step"]), _x(r["dp_over_this"]),
+            _x(r["fp32_over_this_mean"]), human_bytes(r["dp_ring_bytes_per_outer_step"]), _x(r["dp_over_this_mean"]),
             _x(r["dp_over_this_onwire"]),
             f"{r['rel_err_vs_true_mean']:.2e}" if r["rel_err_vs_true_mean"] == r["rel_err_vs_true_mean"] else "–",
             "yes" if r["all_ok"] else f"NO ({r['rounds_ok']})",
@@ -117,30 +133,33 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
     md = [
         "Bytes one peer sends per outer step. *Measured*: real `PseudoGradientAverager.average()` rounds between "
         "separate processes on 127.0.0.1, tensors shaped like the model preset's parameters (random Δ). "
-        "*Payload* = `RoundResult.bytes_sent` (codec buffers only). "
+        "*Payload* = `RoundResult.bytes_sent` (codec buffers only), mean over peers and rounds (= the group's total "
+        "÷ n; the busiest peer is shown too, since hivemind's load balancer splits the vector unevenly). "
         + ("*On the wire* = bytes the loopback interface of a private network namespace carried during the "
            "round, divided by the peers (adds protobuf, libp2p/TLS and TCP/IP framing, matchmaking and the "
            "DHT digest cross-check). " if result["netns"] else
            f"No on-the-wire count: network namespaces unavailable ({result['netns_reason']}). ")
         + f"*Data-parallel* is the **analytic ring all-reduce figure** 2·(n−1)/n·4·P bytes per step per peer, "
         f"×H={result['H']} steps per outer step (nothing was run for it).\n",
-        md_table(["model (P)", "peers", "codec", "payload sent/peer", "received/peer", "B per value moved¹",
+        md_table(["model (P)", "peers", "codec", "payload sent/peer", "busiest peer", "B per value moved¹",
                   "on the wire/peer", "fp32 ÷ this", f"data-parallel fp32, H={result['H']}",
                   "data-parallel ÷ payload", "data-parallel ÷ on the wire", "error vs exact mean", "all rounds ok"],
                  table),
-        "\n¹ payload sent ÷ (2·(n−1)/n·P): bytes per value for each of the 2·(n−1)/n·P values a peer sends in a "
-        "butterfly (or ring) all-reduce.\n",
+        "\n¹ mean payload sent ÷ (2·(n−1)/n·P): bytes per value for each of the 2·(n−1)/n·P values a peer sends "
+        "in a butterfly (or ring) all-reduce.\n",
     ]
     int8 = [r for r in rows if r["compression"] == "int8"]
-    if int8:
-        fp = [r["fp32_over_this"] for r in int8 if r["fp32_over_this"]]
-        dp = [r["dp_over_this"] for r in int8]
+    fp = [r["fp32_over_this_mean"] for r in int8 if r["fp32_over_this_mean"]]
+    dp = [r["dp_over_this_mean"] for r in int8]
+    wire = [r["dp_over_this_onwire"] for r in int8 if r["dp_over_this_onwire"]]
+    if fp:
         md.append(
-            f"\n**int8 vs fp32 averaging: {min(fp):.2f}×–{max(fp):.2f}× fewer payload bytes** "
-            f"(ideal 4× minus the 4-byte absmax scale per {_blocksize()}-value block and part headers). "
-            f"**int8 vs data-parallel at H={result['H']}: {min(dp):,.0f}×–{max(dp):,.0f}× fewer** "
-            f"(= H · 4 / bytes-per-value: the butterfly all-reduce moves the same 2·(n−1)/n·P values per peer "
-            f"as a ring, so only H and the value width differ).\n" if fp else "")
+            f"\n**int8 vs fp32 averaging: {min(fp):.2f}×–{max(fp):.2f}× fewer payload bytes** per peer "
+            f"(ideal 4×, less the 4-byte absmax scale per {_blocksize()}-value block and the part headers). "
+            f"**int8 vs data-parallel at H={result['H']}: {min(dp):,.0f}×–{max(dp):,.0f}× fewer payload bytes**"
+            + (f" ({min(wire):,.0f}×–{max(wire):,.0f}× counting everything on the wire)" if wire else "")
+            + f" (= H · 4 / bytes-per-value: the butterfly all-reduce moves the same 2·(n−1)/n·P values per peer "
+            "as a ring, so only H and the value width differ).\n")
     return "\n".join(md)
 
 

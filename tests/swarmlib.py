@@ -145,3 +145,41 @@ def relative_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     num = sum(float((x - y).pow(2).sum()) for x, y in zip(a, b))
     den = sum(float(x.pow(2).sum()) for x in a)
     return (num / max(den, 1e-30)) ** 0.5
+
+
+# --- process trees (churn tests) -------------------------------------------------------------
+# A node is several processes: the main one, forked hivemind DHT and averager processes, and a
+# p2pd daemon. A crash of the whole peer (machine down, container killed) kills all of them.
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its live descendants (read from /proc), parents first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    tree, i = [pid], 0
+    while i < len(tree):
+        tree.extend(children.get(tree[i], []))
+        i += 1
+    return tree
+
+
+def kill_tree(node: NodeProc) -> list[int]:
+    """SIGKILL a node and every process it started; returns the pids signalled."""
+    if not node.alive():
+        return []
+    pids = process_tree(node.proc.pid)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    node.proc.wait(timeout=30)
+    return pids

@@ -218,12 +218,6 @@ def test_joining_with_another_run_spec_names_the_differing_fields(first_node, tm
 
 @pytest.mark.swarm
 @pytest.mark.timeout(150)
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (runner.py / hivemind): DecentralizedAverager.run_in_background() sets SIGINT to SIG_IGN in the "
-    "calling process, after Node.run() installed its stop handler, so Ctrl+C is ignored; remove this mark once "
-    "the node re-installs its handler after starting the averager",
-)
 def test_sigint_stops_a_running_node_cleanly_within_15_s(first_node):
     proc, _, _, tmp_path = first_node
     proc.send_signal(signal.SIGINT)

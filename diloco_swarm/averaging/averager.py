@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import signal
 import hashlib
 import logging
 import threading
@@ -124,23 +125,31 @@ class PseudoGradientAverager(DecentralizedAverager):
         self._round_stats: dict[str, RoundStats] = {}
         self._state_provider = state_provider
         self._banned_peers: set[str] = set()  # lives in the averager process
-        super().__init__(
-            averaged_tensors=tensors,
-            dht=dht,
-            start=True,
-            prefix=prefix,
-            target_group_size=target_group_size,
-            min_group_size=2,
-            min_matchmaking_time=matchmaking_time,
-            request_timeout=max(0.5, min(3.0, matchmaking_time / 3)),  # hivemind: must be < matchmaking time
-            allreduce_timeout=allreduce_timeout,
-            next_chunk_timeout=next_chunk_timeout,
-            compression=COMPRESSIONS[compression](),
-            client_mode=client_mode,
-            allow_state_sharing=state_provider is not None and not client_mode,
-            declare_state_period=10.0,
-            **kwargs,
-        )
+        # hivemind's run_in_background() sets SIGINT to SIG_IGN in *our* process (meaning the
+        # child); keep the child's SIG_IGN but give the caller its Ctrl+C handler back.
+        previous_sigint = signal.getsignal(signal.SIGINT)
+        try:
+            super().__init__(
+                averaged_tensors=tensors,
+                dht=dht,
+                start=True,
+                prefix=prefix,
+                target_group_size=target_group_size,
+                min_group_size=2,
+                min_matchmaking_time=matchmaking_time,
+                request_timeout=max(0.5, min(3.0, matchmaking_time / 3)),  # hivemind: must be < matchmaking time
+                allreduce_timeout=allreduce_timeout,
+                next_chunk_timeout=next_chunk_timeout,
+                compression=COMPRESSIONS[compression](),
+                client_mode=client_mode,
+                allow_state_sharing=state_provider is not None and not client_mode,
+                declare_state_period=10.0,
+                **kwargs,
+            )
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, previous_sigint)
+
 
     # --- runs in the averager process -------------------------------------------------
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
