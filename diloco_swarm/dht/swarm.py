@@ -159,7 +159,7 @@ def _spec_differences(ours: RunSpec, published: Any) -> dict[str, tuple[object, 
     return {k: (mine.get(k), published.get(k)) for k in keys if mine.get(k) != published.get(k)}
 
 
-def ensure_run_spec(dht: DHT, spec: RunSpec, *, joining: bool, attempts: int = 3) -> bool:
+def ensure_run_spec(dht: DHT, spec: RunSpec, *, joining: bool, attempts: int = 10) -> bool:
     """Publish ``spec`` under ``{run_id}_spec``, or check it against the one already there.
 
     :param joining: this node bootstrapped from initial peers, so look a few times before
@@ -183,4 +183,8 @@ def ensure_run_spec(dht: DHT, spec: RunSpec, *, joining: bool, attempts: int = 3
 
 
 def refresh_run_spec(dht: DHT, spec: RunSpec) -> None:
+    """Extend the life of the run's spec record; never overwrite a different spec."""
+    found = dht.get(f"{spec.run_id}_spec", latest=True)
+    if found is not None and _spec_differences(spec, found.value):
+        return
     dht.store(f"{spec.run_id}_spec", spec.model_dump(), expiration_time=get_dht_time() + SPEC_TTL_S)
