@@ -47,8 +47,9 @@ def test_report_keeps_full_sections_and_untouched_ones(tmp_path):
     out, doc = tmp_path / "out", tmp_path / "benchmarks.md"
     doc.write_text("stale intro\n<!-- bench:codec size=full -->\n## codec\nFULL FIGURES\n<!-- /bench:codec -->\n"
                    "<!-- bench:wire size=full -->\n## wire\nWIRE FIGURES\n<!-- /bench:wire -->\n")
-    row = {"codec": "fp16", "values": 10, "note": "", "repeats": 1, "encode_s": [1.0], "decode_s": [1.0],
-           "encode_gbps": 1.0, "decode_gbps": 1.0, "roundtrip_gbps": 0.5, "bytes_per_value": 2.0,
+    row = {"codec": "fp16", "values": 10, "note": "", "repeats": 1, "encode_wall_s": [1.0], "decode_wall_s": [1.0],
+           "encode_cpu_s": [1.0], "decode_cpu_s": [1.0], "encode_gbps_cpu": 1.0, "decode_gbps_cpu": 1.0,
+           "roundtrip_gbps_cpu": 0.5, "roundtrip_gbps_wall": 0.5, "bytes_per_value": 2.0,
            "rel_err_gaussian": 1e-4, "rel_err_mixed_scale": 1e-4}
     save_result(out, "codec", "quick", {"name": "codec", "size": "quick", "elapsed_s": 1.0, "loadavg_end": None,
                                         "provenance": provenance("python -m bench codec --quick"),

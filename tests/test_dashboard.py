@@ -170,7 +170,7 @@ def test_hostile_names_and_ids_are_escaped():
     assert "[bold red]x[/]" in console.export_text()
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:Using .httpx. with")
 def test_http_routes_and_headers():
     from starlette.testclient import TestClient
 

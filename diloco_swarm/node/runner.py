@@ -122,6 +122,7 @@ class Node:
         self.bytes_sent_total = 0
         self.bytes_received_total = 0
         self.last_eval_loss: float | None = None
+        self.round_tokens_per_s: float | None = None  # tokens / inner seconds of the last outer step
         self.records = None
         self.last_round: dict[str, Any] | None = None
         self._state_lock = threading.Lock()  # θ_global is read by the donation thread
@@ -257,7 +258,7 @@ class Node:
             "precision": precision,
             "reachability": "client" if self.cfg.client_mode else "direct",
             "outer_step": self.outer_step,
-            "tokens_per_s": float(f.get("tokens_per_s", 0.0)),
+            "tokens_per_s": float(self.round_tokens_per_s or f.get("tokens_per_s", 0.0)),
             "loss": f.get("loss"),
             "eval_loss": self.last_eval_loss,
             "tokens_total": self.tokens_total,
@@ -536,6 +537,8 @@ class Node:
                 inner_before = self.clock.inner_s
                 loss, tokens = self._inner_steps()
                 round_inner_s = self.clock.inner_s - inner_before
+                if round_inner_s > 0 and tokens:
+                    self.round_tokens_per_s = tokens / round_inner_s
                 if self.stop.requested:
                     self.clock.wasted_inner_s += round_inner_s
                     break  # abandon the partial inner steps; θ_global is in the last checkpoint
