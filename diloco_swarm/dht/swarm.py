@@ -76,7 +76,7 @@ def listen_maddrs(host: str, port: int) -> list[str]:
 
 
 class StateDirLock:
-    """An exclusive ``flock`` on ``state_dir/node.lock``: one node per state dir.
+    """An exclusive POSIX lock on ``state_dir/node.lock``: one node per state dir.
 
     :raises SwarmError: another process holds the lock.
     """
@@ -86,8 +86,10 @@ class StateDirLock:
         self.path = state_dir / "node.lock"
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            # A POSIX record lock, not flock(): forked children (DHT, averager) do not hold it,
+            # so it is released the moment this process dies, however it dies.
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
             os.close(self._fd)
             raise SwarmError(f"another diloco-node is running with state dir {state_dir}; give each node its own --state-dir")
         os.ftruncate(self._fd, 0)
@@ -95,7 +97,7 @@ class StateDirLock:
 
     def release(self) -> None:
         if self._fd >= 0:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            fcntl.lockf(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = -1
 

@@ -8,12 +8,18 @@ the DHT logs ``GeneratorExit`` / "Task was destroyed but it is pending!" and the
 (``get_visible_maddrs``, ``get``, ``store``, ``step``...) then waits forever. We saw it on a
 loaded 2-core machine about once in five 3-node starts. :func:`keep_task_alive` wraps such a
 coroutine method so that its task holds a strong reference to itself while it runs.
+
+Orphans. The DHT and averager processes outlive a SIGKILLed parent; :func:`die_with_parent`
+makes them follow it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import functools
+import signal
+import sys
 
 _live_tasks: set[asyncio.Task] = set()
 
@@ -36,6 +42,30 @@ def keep_task_alive(method):
     return wrapper
 
 
+def die_with_parent() -> None:
+    """In a forked child: get SIGKILL when the parent dies (Linux ``PR_SET_PDEATHSIG``).
+
+    hivemind's DHT and averager processes ignore SIGINT/SIGTERM; without this, a SIGKILLed
+    node (``kill -9``, the OOM killer) leaves them running as orphans that keep advertising a
+    dead peer. No-op elsewhere.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+def _run_dying_with_parent(run):
+    @functools.wraps(run)
+    def wrapper(self, *args, **kwargs):
+        die_with_parent()
+        return run(self, *args, **kwargs)
+
+    wrapper.__dies_with_parent__ = True
+    return wrapper
+
+
 def patch_hivemind() -> None:
     """Apply the fixes to hivemind's classes (idempotent; must run before DHTs/averagers fork)."""
     from hivemind.averaging import DecentralizedAverager
@@ -52,6 +82,9 @@ def patch_hivemind() -> None:
                 method, "__keeps_task_alive__", False
             ):
                 setattr(cls, name, keep_task_alive(method))
+        run = cls.__dict__.get("run")
+        if run is not None and not getattr(run, "__dies_with_parent__", False):
+            setattr(cls, "run", _run_dying_with_parent(run))
 
 
 patch_hivemind()
