@@ -74,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.report import update_doc
 
         only = None if args.name in ("all", "report") else names
-        for msg in update_doc(args.doc, args.out_dir, only=only):
+        messages, errors = update_doc(args.doc, args.out_dir, only=only)
+        for msg in messages:
             print(f"[bench] {msg}", file=sys.stderr)
+        failed += [f"{name} (report)" for name in errors]
         print(f"[bench] wrote {args.doc}", file=sys.stderr)
     if failed:
         print(f"[bench] failed: {', '.join(failed)}", file=sys.stderr)

@@ -31,7 +31,7 @@ from bench.common import REPO, human_bytes, md_table
 
 SIZES = {
     "smoke": {"peers": 2, "model": "tiny", "H": 2, "seq_len": 32, "batch": 2, "outer_steps": 2,
-              "runs": [("100mbit", "100mbit", "fp16")], "max_bytes": 200_000, "timeout": 240},
+              "runs": [("100mbit", "100mbit", "fp16")], "max_bytes": 200_000, "timeout": 240, "probe_bytes": 1 << 20},
     "quick": {"peers": 4, "model": "tiny", "H": 10, "seq_len": 64, "batch": 4, "outer_steps": 3,
               "runs": [("no limit", None, "int8"), ("100mbit", "100mbit", "int8")], "max_bytes": 1_000_000,
               "timeout": 400},
@@ -161,6 +161,26 @@ def _run_swarm(cfg, tag: str, compression: str, placements: list[tuple[list[str]
     return {"peers": peers, "link_bytes": link, "elapsed_s": time.time() - t0}
 
 
+def _probe_link(peers: list[tuple[str, str]], total: int) -> dict[str, Any] | None:
+    """RTT and one TCP stream's throughput from peer 1 to peer 0 through the hub (bench.netprobe)."""
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    (ns0, addr0), (ns1, _) = peers[0], peers[1]
+    server = subprocess.Popen(["ip", "netns", "exec", ns0, sys.executable, "-m", "bench.netprobe", "serve", addr0,
+                               "5201"], stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    try:
+        server.stdout.readline()  # "ready"
+        r = subprocess.run(["ip", "netns", "exec", ns1, sys.executable, "-m", "bench.netprobe", "probe", addr0, "5201",
+                            str(total)], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+        return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else None
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError):
+        return None
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+
 def run(size: str) -> dict[str, Any]:
     from bench.netutil import link_bytes, netns_check, star_topology, tc_qdisc_kinds
 
@@ -177,6 +197,7 @@ def run(size: str) -> dict[str, Any]:
                 if rate and not qdiscs["tbf"]:
                     raise RuntimeError("tc tbf is not available in this kernel")
                 with star_topology(cfg["peers"], rate) as peers:
+                    probe = _probe_link(peers, cfg.get("probe_bytes", 8 << 20))
                     placements = [(["ip", "netns", "exec", ns], addr) for ns, addr in peers]
 
                     def counters(peers=peers):
@@ -186,9 +207,10 @@ def run(size: str) -> dict[str, Any]:
             else:
                 placements = [([], "127.0.0.1")] * cfg["peers"]
                 out = _run_swarm(cfg, tag, compression, placements, workdir, None)
+                probe = None
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-        runs.append({"label": label, "rate": rate, "compression": compression, **out})
+        runs.append({"label": label, "rate": rate, "compression": compression, "link_probe": probe, **out})
     from diloco_swarm.models import build_model, num_parameters
 
     return {"config": {k: v for k, v in cfg.items() if k != "runs"}, "netns": ok, "netns_reason": why,
@@ -222,6 +244,8 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
             f"{avg_s:.2f}" if avg_s is not None else "–",
             human_bytes(sent) if sent else "–",
             human_bytes(link_tx) if link_tx else "–",
+            (f"{r['link_probe']['mbit_per_s']:.0f} Mbit/s, RTT {r['link_probe']['rtt_ms_median']:.3f} ms"
+             if r.get("link_probe") else "–"),
             ", ".join(str(p["exit_code"]) for p in peers),
         ])
     if result["netns"]:
@@ -231,9 +255,9 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
     else:
         where = (f"**Network namespaces were refused here ({result['netns_reason']})**, so the "
                  f"{cfg['peers']} nodes ran on 127.0.0.1 with no link limit.")
-    netem = ("`tc netem` is **not available in this kernel** (probe failed), so **no latency or loss was added**: "
-             "these links are bandwidth-limited only, with sub-millisecond RTT." if not result["qdiscs"].get("netem")
-             else "`tc netem` is available but was not used (no added latency).")
+    netem = ("`tc netem` is **not available in this kernel** (`tc qdisc add ... netem` fails), so **no latency or "
+             "loss was added**: the links are bandwidth-limited only (their RTT is in the link probe column)."
+             if not result["qdiscs"].get("netem") else "`tc netem` is available but was not used (no added latency).")
     md = [
         f"{where} {netem} All {cfg['peers']} nodes share this machine's CPUs (`--threads 1` each).\n",
         f"Run: model `{cfg['model']}` ({result['params']:,} parameters), H = {cfg['H']}, seq_len {cfg['seq_len']}, "
@@ -245,7 +269,9 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         "`inner_s / wall_s` at the last step, since the node started.\n",
         md_table(["link", "codec", "outer steps (all nodes)", "verified rounds", "utilization, steady",
                   "utilization, overall", "averaging s per step", "payload sent per step", "link tx per step",
-                  "exit codes"], rows),
+                  "link probe¹", "exit codes"], rows),
+        "\n¹ measured before the nodes started: one TCP stream from peer 1 to peer 0 through the hub "
+        "(`bench/netprobe.py`), and the median of 50 one-byte TCP round trips.\n",
     ]
     problems = []
     for r in result["runs"]:

@@ -40,7 +40,7 @@ SIZES = {
     "quick": {"preset": "tiny", "k": 4, "batch": 4, "seq_len": 64, "H": 5, "outer_steps": 3, "eval_batch": 8,
               "eval_batches": 2, "max_bytes": 500_000, "calib_steps": 3},
     "full": {"preset": "tiny", "k": 4, "batch": 8, "seq_len": 128, "H": 30, "outer_steps": 10, "eval_batch": 16,
-             "eval_batches": 8, "max_bytes": 8_000_000, "calib_steps": 5},
+             "eval_batches": 8, "max_bytes": 8_000_000, "calib_steps": 4},
 }
 INNER_LR, OUTER_LR, OUTER_MOMENTUM, SEED = 1e-3, 0.7, 0.9, 0
 TWO_THREAD_MARGIN = 1.3  # use 2 torch threads only when a step is this much faster with them
@@ -277,7 +277,10 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
               f"when {TWO_THREAD_MARGIN:g}× faster, since 2-thread steps slow down badly when other jobs "
               f"load the CPUs); the run used "
               f"{result['threads']} thread(s) per process and {result['workers']} worker process(es), "
-              f"{result['train_wall_s']:.0f} s wall for the four variants.\n")
+              f"{result['train_wall_s']:.0f} s wall for the four variants"
+              + (f", which used {sum(r['cpu_s'] for r in result['variants']):.0f} CPU seconds in all (the wall time "
+                 f"depends on what else runs on the machine; see the load average below)"
+                 if all(r.get("cpu_s") is not None for r in result["variants"]) else "") + ".\n")
     png = _plot(result, docs_dir)
     md.append(f"\n![held-out loss vs tokens]({png})\n")
     return "\n".join(md)

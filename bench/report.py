@@ -54,21 +54,29 @@ def _skeleton() -> str:
     return "\n".join(parts)
 
 
-def _timings(out_dir: Path) -> str:
-    """How long the runs behind this file took (from their JSON), so the next person knows what to expect."""
+_TOOK = re.compile(r"\(size: \*\*(?P<size>\w+)\*\*\), [^,]*, took (?P<s>\d+) s\.")
+
+
+def _timings(sections: dict[str, str | None]) -> str:
+    """How long the runs behind this file's sections took (from their provenance lines)."""
     bits = []
     for name in NAMES:
-        best = load_best_result(out_dir, name)
-        if best and best[0].get("elapsed_s") is not None:
-            bits.append(f"`{name}` {best[0]['elapsed_s']:.0f} s ({best[0].get('size')})")
+        m = _TOOK.search(sections.get(name) or "")
+        if m:
+            bits.append(f"`{name}` {m['s']} s ({m['size']})")
     return ("\nRun times of the results below: " + ", ".join(bits) + ".\n") if bits else ""
 
 
-def update_doc(doc: Path, out_dir: Path, only: list[str] | None = None) -> list[str]:
-    """Rewrite the sections of ``doc`` that have results in ``out_dir``; returns what was done, one line each."""
+def update_doc(doc: Path, out_dir: Path, only: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """Rewrite the sections of ``doc`` that have results in ``out_dir``.
+
+    :returns: what was done (one line each), and the names whose section could not be rendered.
+    """
+    doc.parent.mkdir(parents=True, exist_ok=True)  # the plots are written next to the doc while rendering
     text = doc.read_text() if doc.exists() else _skeleton()
     sections = {m["name"]: m for m in _SECTION.finditer(text)}
-    messages = []
+    messages: list[str] = []
+    errors: list[str] = []
     new_sections = {}
     for name in NAMES:
         current = sections.get(name)
@@ -92,6 +100,7 @@ def update_doc(doc: Path, out_dir: Path, only: list[str] | None = None) -> list[
             body = module.render(result, doc.parent)
         except Exception as e:  # a result from an older bench version must not break the others
             messages.append(f"{name}: could not render {path} ({type(e).__name__}: {e})")
+            errors.append(name)
             new_sections[name] = current_text
             continue
         note = "" if size == "full" else (f"\n> **Toy size ({size})**: these figures come from a toy-size run; "
@@ -99,10 +108,9 @@ def update_doc(doc: Path, out_dir: Path, only: list[str] | None = None) -> list[
         new_sections[name] = (f"<!-- bench:{name} size={size} -->\n## {TITLES[name]}\n{note}\n{body.rstrip()}\n\n"
                               f"{provenance_md(result, path)}<!-- /bench:{name} -->\n")
         messages.append(f"{name}: section rewritten from {path}")
-    parts = [INTRO + _timings(out_dir)]
+    parts = [INTRO + _timings(new_sections)]
     for name in NAMES:
         parts.append(new_sections[name] or f"<!-- bench:{name} size=none -->\n## {TITLES[name]}\n\n*Not run yet: "
                      f"`python -m bench {name}`.*\n<!-- /bench:{name} -->\n")
-    doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(parts))
-    return messages
+    return messages, errors

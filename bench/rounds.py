@@ -178,15 +178,15 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         f16 = by.get((n, v, "fp16"))
         bits = []
         if f32 and f32["allreduce_s"] == f32["allreduce_s"] and r["allreduce_s"]:
-            bits.append(f"all-reduce {f32['allreduce_s'] / r['allreduce_s']:.2f}× faster than fp32")
+            bits.append(f"all-reduce time fp32 ÷ int8 = {f32['allreduce_s'] / r['allreduce_s']:.2f}")
         if f16 and f16["allreduce_s"] == f16["allreduce_s"] and r["allreduce_s"]:
-            bits.append(f"{f16['allreduce_s'] / r['allreduce_s']:.2f}× faster than fp16")
+            bits.append(f"fp16 ÷ int8 = {f16['allreduce_s'] / r['allreduce_s']:.2f}")
         if f32 and f32["total_s"] == f32["total_s"] and r["total_s"]:
-            bits.append(f"whole round {f32['total_s'] / r['total_s']:.2f}× faster than fp32")
+            bits.append(f"whole round fp32 ÷ int8 = {f32['total_s'] / r['total_s']:.2f}")
         if bits:
             lines.append(f"- {n} peers, {human_count(v)} values, int8: " + "; ".join(bits) + ".")
     if lines:
-        md.append("\nSide by side (same run):\n\n" + "\n".join(lines) + "\n")
+        md.append("\nSide by side (same run; above 1 = int8 faster):\n\n" + "\n".join(lines) + "\n")
     png = _plot(rows, docs_dir)
     if png:
         md.append(f"\n![all-reduce time vs size]({png})\n")

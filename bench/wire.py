@@ -67,8 +67,8 @@ def run(size: str) -> dict[str, Any]:
                 "n_peers": n,
                 "compression": job["compression"],
                 "rounds": len({r["round"] for r in recs}),
-                "rounds_ok": len({r["round"] for r in recs if r["ok"]}) if len(ok) == len(recs) else
-                f"{len(ok)}/{len(recs)} peer-rounds",
+                "rounds_ok": sum(1 for rnd in {r["round"] for r in recs}
+                                 if all(r["ok"] for r in recs if r["round"] == rnd)),
                 "all_ok": len(ok) == len(recs),
                 "bytes_sent_per_peer": sent,
                 "bytes_received_per_peer": median(r["bytes_received"] for r in ok),
@@ -128,7 +128,7 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
             _x(r["fp32_over_this_mean"]), human_bytes(r["dp_ring_bytes_per_outer_step"]), _x(r["dp_over_this_mean"]),
             _x(r["dp_over_this_onwire"]),
             f"{r['rel_err_vs_true_mean']:.2e}" if r["rel_err_vs_true_mean"] == r["rel_err_vs_true_mean"] else "–",
-            "yes" if r["all_ok"] else f"NO ({r['rounds_ok']})",
+            "yes" if r["all_ok"] else f"NO ({r['rounds_ok']}/{r['rounds']} rounds)",
         ])
     md = [
         "Bytes one peer sends per outer step. *Measured*: real `PseudoGradientAverager.average()` rounds between "

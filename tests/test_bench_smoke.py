@@ -54,13 +54,13 @@ def test_report_keeps_full_sections_and_untouched_ones(tmp_path):
     save_result(out, "codec", "quick", {"name": "codec", "size": "quick", "elapsed_s": 1.0, "loadavg_end": None,
                                         "provenance": provenance("python -m bench codec --quick"),
                                         "torch_threads": 1, "rows": [row]})
-    update_doc(doc, out)
+    assert update_doc(doc, out)[1] == []
     text = doc.read_text()
     assert "FULL FIGURES" in text and "WIRE FIGURES" in text  # a quick result never replaces a full section
     assert "python -m bench all" in text and "stale intro" not in text  # the intro is regenerated
     save_result(out, "codec", "full", {"name": "codec", "size": "full", "elapsed_s": 1.0, "loadavg_end": None,
                                        "provenance": provenance("python -m bench codec"), "torch_threads": 1,
                                        "rows": [row]})
-    update_doc(doc, out)
+    assert update_doc(doc, out)[1] == []
     text = doc.read_text()
     assert "FULL FIGURES" not in text and "| fp16 |" in text and "WIRE FIGURES" in text
