@@ -3,7 +3,8 @@
 Each benchmark owns one section between ``<!-- bench:NAME size=SIZE -->`` and
 ``<!-- /bench:NAME -->``. A section is rewritten from the largest-size result present
 (full > quick > smoke), and never by a smaller size than the one it holds: a ``--quick``
-run does not replace full-size figures. Sections without a result are left as they are.
+run does not replace full-size figures. Sections without a result are left as they are, and
+marked sections of other names (another benchmark's) are kept after ours; the intro is regenerated.
 """
 
 from __future__ import annotations
@@ -112,5 +113,7 @@ def update_doc(doc: Path, out_dir: Path, only: list[str] | None = None) -> tuple
     for name in NAMES:
         parts.append(new_sections[name] or f"<!-- bench:{name} size=none -->\n## {TITLES[name]}\n\n*Not run yet: "
                      f"`python -m bench {name}`.*\n<!-- /bench:{name} -->\n")
+    # sections other benchmarks wrote with the same markers are kept, in their order, after ours
+    parts += [m.group(0) for m in _SECTION.finditer(text) if m["name"] not in NAMES]
     doc.write_text("\n".join(parts))
     return messages, errors

@@ -154,13 +154,19 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
     wire = [r["dp_over_this_onwire"] for r in int8 if r["dp_over_this_onwire"]]
     if fp:
         md.append(
-            f"\n**int8 vs fp32 averaging: {min(fp):.2f}×–{max(fp):.2f}× fewer payload bytes** per peer "
+            f"\n**int8 vs fp32 averaging: {_span(fp, '.2f')}× fewer payload bytes** per peer "
             f"(ideal 4×, less the 4-byte absmax scale per {_blocksize()}-value block and the part headers). "
-            f"**int8 vs data-parallel at H={result['H']}: {min(dp):,.0f}×–{max(dp):,.0f}× fewer payload bytes**"
-            + (f" ({min(wire):,.0f}×–{max(wire):,.0f}× counting everything on the wire)" if wire else "")
-            + f" (= H · 4 / bytes-per-value: the butterfly all-reduce moves the same 2·(n−1)/n·P values per peer "
-            "as a ring, so only H and the value width differ).\n")
+            f"**int8 vs data-parallel at H={result['H']}: {_span(dp, ',.0f')}× fewer payload bytes**"
+            + (f" ({_span(wire, ',.0f')}× counting everything on the wire)" if wire else "")
+            + f". An ideal 1-byte code would give 4·H = {4 * result['H']:,}×: the butterfly all-reduce moves the "
+            "same 2·(n−1)/n·P values per peer as a ring, so only H and the bytes per value differ, and the "
+            "scales cost the rest.\n")
     return "\n".join(md)
+
+
+def _span(values, fmt: str) -> str:
+    lo, hi = min(values), max(values)
+    return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else f"{format(lo, fmt)}×–{format(hi, fmt)}"
 
 
 def _blocksize() -> int:

@@ -46,7 +46,8 @@ def test_report_keeps_full_sections_and_untouched_ones(tmp_path):
 
     out, doc = tmp_path / "out", tmp_path / "benchmarks.md"
     doc.write_text("stale intro\n<!-- bench:codec size=full -->\n## codec\nFULL FIGURES\n<!-- /bench:codec -->\n"
-                   "<!-- bench:wire size=full -->\n## wire\nWIRE FIGURES\n<!-- /bench:wire -->\n")
+                   "<!-- bench:wire size=full -->\n## wire\nWIRE FIGURES\n<!-- /bench:wire -->\n"
+                   "<!-- bench:other size=full -->\n## other\nOTHER FIGURES\n<!-- /bench:other -->\n")
     row = {"codec": "fp16", "values": 10, "note": "", "repeats": 1, "encode_wall_s": [1.0], "decode_wall_s": [1.0],
            "encode_cpu_s": [1.0], "decode_cpu_s": [1.0], "encode_gbps_cpu": 1.0, "decode_gbps_cpu": 1.0,
            "roundtrip_gbps_cpu": 0.5, "roundtrip_gbps_wall": 0.5, "bytes_per_value": 2.0,
@@ -64,3 +65,4 @@ def test_report_keeps_full_sections_and_untouched_ones(tmp_path):
     assert update_doc(doc, out)[1] == []
     text = doc.read_text()
     assert "FULL FIGURES" not in text and "| fp16 |" in text and "WIRE FIGURES" in text
+    assert "OTHER FIGURES" in text  # another benchmark's marked section survives
