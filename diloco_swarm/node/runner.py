@@ -240,6 +240,11 @@ class Node:
                 f"checkpoint {checkpoint_path(self.cfg.state_dir)} does not fit this model ({e}); "
                 "move it away to start fresh"
             ) from None
+        if not all(torch.isfinite(t).all() for t in self.outer.theta + self.outer.momentum_buffers()):
+            raise CheckpointError(
+                f"checkpoint {checkpoint_path(self.cfg.state_dir)} holds non-finite values; move it away to start "
+                f"fresh, or restore {self.cfg.state_dir / 'checkpoint.prev.pt'}"
+            )
         self.outer.copy_to(self.params)
 
     def _record_snapshot(self) -> dict[str, Any]:
