@@ -55,8 +55,10 @@ class NodeProc:
     def outer_steps(self) -> list[dict]:
         return self.events("outer_step")
 
-    def maddr(self) -> str:
-        return next(e["maddrs"][0] for e in self.events("start"))
+    def maddr(self, host: str | None = None) -> str:
+        """The node's first multiaddr, or its first on ``host`` (an IPv4 address)."""
+        addrs = next(e["maddrs"] for e in self.events("start"))
+        return next(a for a in addrs if host is None or a.startswith(f"/ip4/{host}/"))
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -73,16 +75,21 @@ class Swarm:
         self.nodes: dict[str, NodeProc] = {}
 
     def start(self, name: str, *args: str, initial: "NodeProc | None" = None, wait_start: bool = True,
-              timeout: float = 90) -> NodeProc:
+              timeout: float = 90, wrap: list[str] | None = None, initial_host: str | None = None) -> NodeProc:
+        """Start node ``name`` (again, with the same state dir if it ran before).
+
+        :param wrap: command prefix, e.g. ``ip netns exec NS`` to run it inside a network namespace.
+        :param initial_host: dial ``initial`` on its address on this host (default: its first address).
+        """
         node = self.nodes.get(name)
         if node is None:
             d = self.root / name
             node = NodeProc(name, d, d / "metrics.jsonl", self.root / f"{name}.log", [])
             self.nodes[name] = node
-        cmd = [sys.executable, "-m", "diloco_swarm", "join", "--run-id", self.run_id, *FAST_ARGS, *self.extra,
+        cmd = [*(wrap or []), sys.executable, "-m", "diloco_swarm", "join", "--run-id", self.run_id, *FAST_ARGS, *self.extra,
                "--state-dir", str(node.state_dir), "--metrics-file", str(node.metrics), "--port", "0", *args]
         if initial is not None:
-            cmd += ["--initial-peers", initial.maddr()]
+            cmd += ["--initial-peers", initial.maddr(initial_host)]
         node.args = cmd
         log = open(node.log, "a")
         node.log_handles.append(log)

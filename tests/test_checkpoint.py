@@ -14,6 +14,7 @@ from diloco_swarm.node.checkpoint import (
     CheckpointError,
     checkpoint_path,
     load_checkpoint,
+    remove_stale_temp_files,
     save_checkpoint,
 )
 
@@ -189,3 +190,42 @@ def test_disk_write_failure_keeps_both_checkpoints_and_leaves_no_temp_files(tmp_
     assert (tmp_path / PREVIOUS_NAME).read_bytes() == prev
     assert listing(tmp_path) == sorted([CHECKPOINT_NAME, PREVIOUS_NAME])
     assert load_checkpoint(tmp_path / CHECKPOINT_NAME)["outer_step"] == 2
+
+
+def test_a_write_killed_midway_leaves_a_temp_file_that_the_next_start_removes(tmp_path):
+    """A real crash inside save_checkpoint (SIGXFSZ's default action kills the writer mid-write)."""
+    save_checkpoint(tmp_path, state(1))
+    save_checkpoint(tmp_path, state(2))
+    cur, prev = (tmp_path / CHECKPOINT_NAME).read_bytes(), (tmp_path / PREVIOUS_NAME).read_bytes()
+    script = textwrap.dedent(
+        f"""
+        import resource, signal
+        from pathlib import Path
+        import torch
+        from diloco_swarm.node.checkpoint import save_checkpoint
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; its default action kills
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+        save_checkpoint(Path({str(tmp_path)!r}), {{"outer_step": 3, "big": torch.zeros(1_000_000)}})
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50)
+    assert proc.returncode < 0, proc.stdout + proc.stderr  # killed by the signal, no cleanup ran
+    stale = [name for name in listing(tmp_path) if name.endswith(".tmp")]
+    assert stale and all(name.startswith(".checkpoint.") for name in stale)
+    unrelated = {"identity.key": b"key", "notes.tmp": b"mine", "checkpoint.pt.tmp": b"not ours"}
+    for name, data in unrelated.items():
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / ".checkpoint.abc.tmp").write_bytes(b"another dir")
+    (tmp_path / ".checkpoint.dir.tmp").mkdir()
+
+    removed = remove_stale_temp_files(tmp_path)
+
+    assert sorted(p.name for p in removed) == sorted(stale)
+    assert listing(tmp_path) == sorted([CHECKPOINT_NAME, PREVIOUS_NAME, ".checkpoint.dir.tmp", "sub", *unrelated])
+    assert (tmp_path / CHECKPOINT_NAME).read_bytes() == cur
+    assert (tmp_path / PREVIOUS_NAME).read_bytes() == prev
+    assert (tmp_path / "sub" / ".checkpoint.abc.tmp").exists()
+    assert all((tmp_path / name).read_bytes() == data for name, data in unrelated.items())
+    assert remove_stale_temp_files(tmp_path) == []
+    assert remove_stale_temp_files(tmp_path / "no-such-dir") == []

@@ -38,7 +38,7 @@ HOSTILE_NAME = '<img src=x onerror="alert(1)">&</td>[bold red]x'
 
 def rec(peer_id: str = "PeerA", **over) -> PeerRecord:
     base = dict(
-        peer_id=peer_id, name="alice", version="0.1.0", device="cpu", precision="fp32", reachability="direct",
+        peer_id=peer_id, name="alice", version="0.1.0", device="cpu", precision="fp32", reachability="public",
         outer_step=3, tokens_per_s=100.0, loss=2.5, eval_loss=2.6, tokens_total=1000, bytes_sent=10,
         bytes_received=20, last_round_group_size=2, last_round_s=0.5, last_round_ok=True, failed_rounds=1,
         goodput=0.9, uptime_s=12.0, updated=time.time(),
@@ -297,7 +297,7 @@ def helper_swarm():
                       record_validators=validators, use_relay=False, use_auto_relay=False)
             dhts.append(dht)
             snap = {**rec(dht.peer_id.to_base58(), name=name, outer_step=1, loss=3.0 - i * 0.2,
-                          tokens_per_s=1000.0 + 200 * i, reachability="client" if i else "direct").dict()}
+                          tokens_per_s=1000.0 + 200 * i, reachability="client" if i else "public").dict()}
             snap["updated"] = None  # the publisher fills in "now"
             pub = PeerRecordPublisher(dht, run_id, validators, lambda s=snap: dict(s), interval_s=1.0)
             pub.start()

@@ -28,7 +28,7 @@ RUN = "rec-test"
 
 def snapshot(peer_id: str = "12D3KooWTestPeer", **over) -> dict:
     base = dict(
-        peer_id=peer_id, name="alice", version="0.1.0", device="cpu", precision="fp32", reachability="direct",
+        peer_id=peer_id, name="alice", version="0.1.0", device="cpu", precision="fp32", reachability="public",
         outer_step=3, tokens_per_s=123.5, loss=2.5, eval_loss=2.6, tokens_total=1000, bytes_sent=10,
         bytes_received=20, last_round_group_size=2, last_round_s=0.5, last_round_ok=True, failed_rounds=0,
         goodput=0.9, uptime_s=12.0, updated=time.time(),

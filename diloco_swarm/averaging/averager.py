@@ -34,6 +34,7 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner, RoundStats
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
+from diloco_swarm.averaging.reachability import Responder
 from diloco_swarm.utils.hivemind_fixes import keep_task_alive
 
 logger = get_logger(__name__)
@@ -47,6 +48,8 @@ class _QuietExpectedFailures(logging.Filter):
 
 
 logging.getLogger("hivemind.averaging.averager").addFilter(_QuietExpectedFailures())
+
+FAILED_MARK = "failed"  # published under the round key by a member whose round was partial
 
 COMPRESSIONS: dict[str, type[CompressionBase]] = {
     "int8": Int8BlockwiseCodec,
@@ -68,9 +71,9 @@ class RoundResult:
     """Outcome of one averaging round, from this peer's point of view.
 
     ``ok`` is true only when a group of at least two formed, every part of every member
-    arrived and passed the checks, the average is finite and within the norm bound, and no
-    member published a different digest of the average. When ``ok`` is false the caller's
-    tensors hold its own Δ again.
+    arrived and passed the checks, the average is finite and within the norm bound, and
+    **every** member published the same digest of the average in time (a member that saw a
+    partial round publishes "failed" instead). When ``ok`` is false the caller applies its own Δ.
     """
 
     ok: bool
@@ -125,6 +128,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self._round_stats: dict[str, RoundStats] = {}
         self._state_provider = state_provider
         self._banned_peers: set[str] = set()  # lives in the averager process
+        self._reachability = Responder()  # answers dial-back checks (public peers only)
         # hivemind's run_in_background() sets SIGINT to SIG_IGN in *our* process (meaning the
         # child); keep the child's SIG_IGN but give the caller its Ctrl+C handler back.
         previous_sigint = signal.getsignal(signal.SIGINT)
@@ -202,6 +206,12 @@ class PseudoGradientAverager(DecentralizedAverager):
         async for response in super().rpc_join_group(request, context):
             yield response
 
+    async def rpc_check_reachability(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> averaging_pb2.DownloadData:
+        """Dial a joining peer back from a fresh libp2p host (averaging/reachability.py)."""
+        return await self._reachability.answer(request, context.remote_id)
+
     @keep_task_alive
     async def _download_state_from(self, peer: str, timeout: float, max_bytes: int, future: MPFuture):
         """Stream one donor's state (hivemind's ``rpc_download_state``), bounded in bytes and time."""
@@ -240,17 +250,7 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     def donors(self) -> dict[str, float]:
         """Peers that share their state, with their priority (= their outer step): ``{peer_id: step}``."""
-        found = self.dht.get(f"{self.prefix}.all_averagers", latest=True)
-        out: dict[str, float] = {}
-        if found is None or not isinstance(found.value, dict):
-            return out
-        for peer, item in found.value.items():
-            value = getattr(item, "value", None)
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                try:
-                    out[PeerID(peer).to_base58() if isinstance(peer, bytes) else str(peer)] = float(value)
-                except Exception:
-                    continue
+        out = state_donors(self.dht, self.prefix)
         out.pop(self.peer_id.to_base58(), None)
         return out
 
@@ -274,7 +274,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         weight: float,
         metadata: dict[str, Any],
         timeout: float,
-        digest_wait: float = 3.0,
+        digest_wait: float = 15.0,
         stop: threading.Event | None = None,
     ) -> tuple[RoundResult, list[torch.Tensor]]:
         """Average ``delta`` with a group of peers; return the verified result.
@@ -283,7 +283,9 @@ class PseudoGradientAverager(DecentralizedAverager):
         :param weight: tokens this peer processed since its last sync (> 0).
         :param metadata: small msgpack-able dict gathered from every member (outer step...).
         :param timeout: seconds to wait for a group before giving up (a solo round).
-        :param digest_wait: seconds to wait for the other members' digests of the average.
+        :param digest_wait: seconds to wait for every other member's digest of the average
+            (returns as soon as all arrived or one differs); a member still silent then makes
+            the round failed.
         :param stop: when set, the round in flight is abandoned (graceful leave).
         :returns: the round's result and the Δ to apply: the group's average when ``ok``,
             else a copy of ``delta``.
@@ -302,11 +304,11 @@ class PseudoGradientAverager(DecentralizedAverager):
                 except TimeoutError:
                     if stop is not None and stop.is_set():
                         control.cancel()
-                        return self._solo(local, started, reason="stopping"), local
+                        return self._solo(started, reason="stopping"), local
         except Exception as e:  # no group in the window, or the all-reduce failed outright
-            return self._solo(local, started, reason=_short_reason(e)), local
+            return self._solo(started, reason=_short_reason(e)), local
         if control is None:
-            return self._solo(local, started, reason="no group formed"), local
+            return self._solo(started, reason="no group formed"), local
 
         stats = RoundStats(**control["stats"])
         gathered = {str(k): v for k, v in (control["gathered"] or {}).items()}
@@ -325,6 +327,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         if problem is None:
             result.digest = tensors_digest(averaged)
             problem = self._cross_check(stats, result, digest_wait)
+        elif len(stats.group_peer_ids) >= 2:
+            self._publish_outcome(stats, FAILED_MARK)  # so the others never keep a partial average
         result.seconds = time.perf_counter() - started
         if problem is not None:
             result.reason = problem
@@ -333,7 +337,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         result.ok = True
         return result, averaged
 
-    def _solo(self, local, started: float, reason: str) -> RoundResult:
+    def _solo(self, started: float, reason: str) -> RoundResult:
         return RoundResult(ok=False, group_size=1, reason=reason, seconds=time.perf_counter() - started)
 
     def _check_round(self, stats: RoundStats, local, averaged) -> str | None:
@@ -351,33 +355,60 @@ class PseudoGradientAverager(DecentralizedAverager):
             return f"the average's norm {avg_norm:.3g} exceeds {self.max_norm_ratio:g}x our own ({local_norm:.3g})"
         return None
 
-    def _cross_check(self, stats: RoundStats, result: RoundResult, digest_wait: float) -> str | None:
-        """Members publish a digest of the average they applied; all must match ours."""
-        key = f"{self.prefix}_round_{stats.group_id}"
-        me = self.peer_id.to_base58()
-        others = set(stats.group_peer_ids) - {me}
+    def _round_key(self, stats: RoundStats) -> str:
+        return f"{self.prefix}_round_{stats.group_id}"
+
+    def _publish_outcome(self, stats: RoundStats, value: str) -> str | None:
         try:
-            self.dht.store(key, subkey=me, value=result.digest, expiration_time=get_dht_time() + 120)
+            self.dht.store(self._round_key(stats), subkey=self.peer_id.to_base58(), value=value,
+                           expiration_time=get_dht_time() + 120)
         except Exception as e:
             return f"could not publish the round digest ({_short_reason(e)})"
+        return None
+
+    def _cross_check(self, stats: RoundStats, result: RoundResult, digest_wait: float) -> str | None:
+        """Every member publishes the digest of the average it would apply, or "failed"; the
+        round counts only when all of them match ours (no member keeps a different value)."""
+        others = set(stats.group_peer_ids) - {self.peer_id.to_base58()}
+        problem = self._publish_outcome(stats, result.digest)
+        if problem is not None:
+            return problem
         deadline = time.monotonic() + digest_wait
         while True:
-            found = self.dht.get(key, latest=True)
+            found = self.dht.get(self._round_key(stats), latest=True)
             digests = {}
             if found is not None and isinstance(found.value, dict):
                 digests = {str(k): v.value for k, v in found.value.items()}
-            mismatched = {p for p in others if p in digests and digests[p] != result.digest}
+            failed = sorted(p for p in others if digests.get(p) == FAILED_MARK)
+            if failed:
+                return "members saw a partial round: " + ", ".join(failed)
+            mismatched = sorted(p for p in others if p in digests and digests[p] != result.digest)
             if mismatched:
-                return "members applied a different average: " + ", ".join(sorted(mismatched))
+                return "members hold a different average: " + ", ".join(mismatched)
             result.agreed_peers = sum(1 for p in others if digests.get(p) == result.digest)
             if result.agreed_peers == len(others):
                 return None
             if time.monotonic() > deadline:
-                # Everything arrived and checked out locally; a member that has not published
-                # yet is slow, not wrong. Its own check still protects it.
-                logger.info(f"round digest: {result.agreed_peers}/{len(others)} members confirmed in time")
-                return None
+                silent = sorted(p for p in others if p not in digests)
+                return f"members did not confirm the average within {digest_wait:.0f}s: " + ", ".join(silent)
             time.sleep(0.2)
+
+
+def state_donors(dht: DHT, prefix: str) -> dict[str, float]:
+    """Peers of run ``prefix`` that share their state (public, non-client peers), from hivemind's
+    ``{prefix}.all_averagers`` DHT key: ``{peer_id: priority}`` (priority = outer step)."""
+    found = dht.get(f"{prefix}.all_averagers", latest=True)
+    out: dict[str, float] = {}
+    if found is None or not isinstance(found.value, dict):
+        return out
+    for peer, item in found.value.items():
+        value = getattr(item, "value", None)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            try:
+                out[PeerID(peer).to_base58() if isinstance(peer, bytes) else str(peer)] = float(value)
+            except Exception:
+                continue
+    return out
 
 
 def _short_reason(e: BaseException) -> str:

@@ -18,6 +18,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from diloco_swarm.cli.text import printable
+
 app = typer.Typer(
     name="diloco-node",
     help=(
@@ -57,7 +59,8 @@ class Compression(str, Enum):
 
 def fail(message: str, code: int = USAGE_ERROR) -> "typer.Exit":
     """Print ``error: message`` as one line on stderr; return the ``typer.Exit`` to raise."""
-    one_line = " ".join(str(message).split())  # paths, globs and peer errors may hold newlines or [brackets]
+    # paths, globs and peer errors may hold newlines, terminal escapes or [brackets]
+    one_line = " ".join(printable(message).split())
     err.print(f"[bold red]error:[/] {escape(one_line)}", soft_wrap=True)
     return typer.Exit(code)
 
@@ -70,14 +73,15 @@ AVERAGING = "Averaging"
 
 @app.command()
 def join(
-    run_id: Annotated[str, typer.Option(help="Name of the training run; peers with the same run id train together.", rich_help_panel=SWARM)] = "diloco-demo",
+    run_id: Annotated[str, typer.Option(help="Name of the training run; peers with the same run id train together. The default is shared by every node started without --run-id (each `diloco-node demo` uses its own, demo-YYYYMMDD-HHMMSS).", rich_help_panel=SWARM)] = "diloco-demo",
     initial_peers: Annotated[Optional[list[str]], typer.Option("--initial-peers", help="Multiaddr of a running node (/ip4/HOST/tcp/PORT/p2p/PEER_ID), as printed by that node. Repeat or separate with spaces. Omit to start a new swarm.", rich_help_panel=SWARM)] = None,
     host: Annotated[str, typer.Option(help="Address to listen on. 0.0.0.0 = all interfaces; 127.0.0.1 = this machine only.", rich_help_panel=SWARM)] = "0.0.0.0",
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port to listen on; 0 = any free port.", rich_help_panel=SWARM)] = 0,
     announce: Annotated[Optional[list[str]], typer.Option("--announce", help="Public multiaddr(s) other peers should dial, e.g. /ip4/203.0.113.5/tcp/31337 for a port-forwarded home PC.", rich_help_panel=SWARM)] = None,
-    client_mode: Annotated[bool, typer.Option("--client-mode", help="Only dial out (for hosts that cannot accept connections); this node then never reduces parts.", rich_help_panel=SWARM)] = False,
+    client_mode: Annotated[bool, typer.Option("--client-mode", help="Only dial out, skipping the reachability check (a home PC without port forwarding). A client trains and averages through public peers but reduces no parts and donates no state. Default: decided at start by a dial-back check (docs/networking.md).", rich_help_panel=SWARM)] = False,
+    public: Annotated[bool, typer.Option("--public", help="Serve as a full peer without the reachability check (you know other peers can dial this node).", rich_help_panel=SWARM)] = False,
     dataset: Annotated[Optional[str], typer.Option(help="Text file, folder or glob. Default: the Python standard library's source files (no download).", rich_help_panel=TRAINING)] = None,
-    model: Annotated[Model, typer.Option(help="Model size preset: tiny (~0.5M params, CPUs/tests), small (~10M), base (~100M, GPUs).", rich_help_panel=TRAINING)] = Model.tiny,
+    model: Annotated[Model, typer.Option(help="Model size preset: tiny (~0.5M params, CPUs/tests), small (~11M), base (~100M, GPUs).", rich_help_panel=TRAINING)] = Model.tiny,
     inner_steps: Annotated[int, typer.Option(min=1, help="H: inner AdamW steps between outer steps.", rich_help_panel=TRAINING)] = 500,
     seq_len: Annotated[int, typer.Option(min=8, help="Tokens (bytes) per training sequence.", rich_help_panel=TRAINING)] = 256,
     inner_lr: Annotated[float, typer.Option(min=0.0, help="Inner AdamW learning rate.", rich_help_panel=TRAINING)] = 1e-3,
@@ -88,7 +92,7 @@ def join(
     batch_size: Annotated[int, typer.Option(min=1, help="Sequences per inner step on this node.", rich_help_panel=LOCAL)] = 16,
     device: Annotated[Device, typer.Option(help="Where the inner steps run; auto = cuda, else mps, else cpu. CUDA trains in bf16 autocast.", rich_help_panel=LOCAL)] = Device.auto,
     threads: Annotated[int, typer.Option(min=0, help="PyTorch CPU threads (0 = PyTorch's default). Use 1 when several nodes share a small CPU.", rich_help_panel=LOCAL)] = 0,
-    max_outer_steps: Annotated[int, typer.Option(min=0, help="Stop after this many outer steps (0 = run until Ctrl+C).", rich_help_panel=LOCAL)] = 0,
+    max_outer_steps: Annotated[int, typer.Option(min=0, help="Stop once the outer step reaches this number: the swarm's absolute step (kept across restarts; a joiner syncs to the swarm's), not a count of steps for this run, so a node resumed at or past it trains no step. 0 = run until stopped.", rich_help_panel=LOCAL)] = 0,
     state_dir: Annotated[Path, typer.Option(help="Identity key, checkpoints and lock of this node. One node per state dir; restart with the same dir to resume.", rich_help_panel=LOCAL)] = Path("diloco-state"),
     metrics_file: Annotated[Optional[Path], typer.Option(help="Append JSON Lines metrics here (one object per outer step; see docs/metrics.md).", rich_help_panel=LOCAL)] = None,
     name: Annotated[str, typer.Option(help="Nickname shown to other peers.", rich_help_panel=LOCAL)] = "",
@@ -99,6 +103,7 @@ def join(
     averaging_window: Annotated[float, typer.Option(min=1.0, help="Seconds to look for a group before going solo for this outer step.", rich_help_panel=AVERAGING)] = 30.0,
     allreduce_timeout: Annotated[float, typer.Option(min=1.0, help="Seconds the all-reduce may take once a group formed.", rich_help_panel=AVERAGING)] = 60.0,
     fault: Annotated[str, typer.Option(hidden=True, help="Test-only fault injection: nan | huge | stall-allreduce.")] = "",
+    debug_dump_rounds: Annotated[Optional[Path], typer.Option(hidden=True, help="Test-only: save each round's local and applied pseudo-gradient here.")] = None,
 ) -> None:
     """Join (or start) a training swarm and train until stopped.
 
@@ -114,6 +119,8 @@ def join(
         raise fail(f"--fault must be nan, huge or stall-allreduce, got '{fault}'")
     if matchmaking_time >= averaging_window:
         raise fail("--matchmaking-time must be shorter than --averaging-window")
+    if client_mode and public:
+        raise fail("--client-mode and --public contradict each other; give at most one")
     try:
         spec = RunSpec(
             run_id=run_id,
@@ -136,6 +143,13 @@ def join(
                 "starting with a letter or digit"
             )
         raise fail(f"--{field.replace('_', '-')} {first.get('input')!r}: {first['msg']}")
+    from diloco_swarm.cli.precheck import InputError, check_join_input
+
+    try:  # before the slow imports below (torch, hivemind), so that bad input is refused at once
+        check_join_input(initial_peers=initial_peers or [], announce=announce or [], host=host, port=port,
+                         dataset=dataset)
+    except InputError as e:
+        raise fail(str(e))
     from diloco_swarm.dht.swarm import SwarmError, parse_initial_peers
 
     try:
@@ -151,6 +165,7 @@ def join(
         port=port,
         announce=list(announce or []),
         client_mode=client_mode,
+        public=public,
         batch_size=batch_size,
         device=device.value,
         threads=threads,
@@ -164,6 +179,7 @@ def join(
         name=name,
         wait_for_peers=wait_for_peers,
         fault=fault,
+        debug_dump_rounds=debug_dump_rounds,
     )
     run_node(config)
 
@@ -188,15 +204,20 @@ def run_node(config) -> None:
 @app.command()
 def demo(
     peers: Annotated[int, typer.Option(min=1, max=16, help="Number of local nodes to start.")] = 3,
-    outer_steps: Annotated[int, typer.Option(min=1, help="Outer steps each node trains.")] = 5,
+    outer_steps: Annotated[int, typer.Option(min=1, help="Train until the swarm's outer step reaches this (--max-outer-steps of each node).")] = 5,
     inner_steps: Annotated[int, typer.Option(min=1, help="H: inner steps per outer step.")] = 50,
-    port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the first node on 127.0.0.1 (the others take free ports).")] = 31337,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port of the first node on 127.0.0.1; 0 = any free port (the others always take free ports).")] = 31337,
     workdir: Annotated[Path, typer.Option(help="State dirs and metrics of the demo nodes go here.")] = Path("diloco-demo"),
     dataset: Annotated[Optional[str], typer.Option(help="Text file, folder or glob (default: Python's standard library).")] = None,
 ) -> None:
     """Start a local swarm of N real `diloco-node join` processes on 127.0.0.1 and watch them train."""
     from diloco_swarm.cli.demo import run_demo
+    from diloco_swarm.cli.precheck import InputError, check_port
 
+    try:
+        check_port("127.0.0.1", port)
+    except InputError as e:
+        raise fail(str(e))
     code = run_demo(peers=peers, outer_steps=outer_steps, inner_steps=inner_steps, port=port, workdir=workdir,
                     dataset=dataset, console=err)
     raise typer.Exit(code)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -12,8 +14,11 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 STARTUP_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 60.0  # a node's graceful stop: leave the swarm, keep the checkpoint of its last outer step
+KILL_GRACE_S = 5.0
 
 
 def node_command(*args: str) -> list[str]:
@@ -38,16 +43,71 @@ def _read_events(path: Path) -> list[dict]:
     return events
 
 
+def say(console: Console, line: str) -> None:
+    """One line, never wrapped (the commands in it stay copy-pastable), never read as markup."""
+    console.print(Text(line), soft_wrap=True)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_nodes(procs: list[subprocess.Popen], console: Console) -> None:
+    """Ask each running node to stop (one SIGINT: it leaves the swarm and keeps its checkpoint) and wait
+    up to ``STOP_TIMEOUT_S``. A Ctrl+C meanwhile, or the timeout, kills them instead."""
+    running = [p for p in procs if p.poll() is None]
+    if not running:
+        return
+    say(console, "demo: stopping the nodes; each keeps its checkpoint (Ctrl+C again to kill them at once)")
+    for p in running:
+        p.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    try:
+        for p in running:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        return
+    except KeyboardInterrupt:
+        say(console, "demo: Ctrl+C again: killing the nodes (each keeps the checkpoint of its last outer step)")
+    except subprocess.TimeoutExpired:
+        say(console, f"demo: the nodes did not all stop within {STOP_TIMEOUT_S:.0f} s; killing them")
+    kill_nodes(running)
+
+
+def kill_nodes(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM (a node's second stop signal: it kills its own child processes and exits at once), then
+    SIGKILL to each node's whole process group. Not interruptible: it takes at most ``KILL_GRACE_S``."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + KILL_GRACE_S
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for p in procs:  # the node leads its process group: this also ends its DHT, averager and p2pd
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_demo(*, peers: int, outer_steps: int, inner_steps: int, port: int, workdir: Path, dataset: str | None,
              console: Console) -> int:
     """Start ``peers`` nodes, wait for them to finish ``outer_steps``, print a summary.
 
-    :returns: 0 when every node exited 0, else 1 (2 if the first node could not start).
+    Each node runs in its own process group, so a Ctrl+C in the terminal reaches only the demo,
+    which then stops every node exactly once (:func:`stop_nodes`); SIGTERM and SIGHUP do the same.
+
+    :returns: 0 when every node exited 0, else 1 (2 if the first node could not start; 130 when stopped).
     """
     run_dir = workdir / time.strftime("run-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
+    run_id = f"demo-{run_dir.name[4:]}"
     common = [
-        "--run-id", f"demo-{run_dir.name[4:]}",
+        "--run-id", run_id,
         "--host", "127.0.0.1",
         "--model", "tiny",
         "--inner-steps", str(inner_steps),
@@ -69,38 +129,41 @@ def run_demo(*, peers: int, outer_steps: int, inner_steps: int, port: int, workd
     def start(i: int, extra: list[str]) -> None:
         cmd = node_command("join", *common, "--state-dir", str(run_dir / f"peer-{i}"),
                            "--metrics-file", str(metrics[i]), *extra)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1, process_group=0)
         threading.Thread(target=_pump, args=(proc.stdout, f"[peer {i}]"), daemon=True).start()
         procs.append(proc)
 
-    console.print(f"demo: {peers} nodes, {outer_steps} outer steps of H={inner_steps}; files in {run_dir}")
+    say(console, f"demo: run {run_id}, {peers} nodes, {outer_steps} outer steps of H={inner_steps}; files in {run_dir}")
+    handlers = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         start(0, ["--port", str(port)])
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         maddrs: list[str] = []
         while not maddrs:
             if procs[0].poll() is not None:
-                console.print("demo: the first node exited before it started; see its messages above")
+                say(console, "demo: the first node exited before it started; see its messages above")
                 return 2
             if time.monotonic() > deadline:
-                console.print("demo: the first node did not start in time")
+                say(console, "demo: the first node did not start in time")
+                stop_nodes(procs, console)
                 return 2
             maddrs = next((e["maddrs"] for e in _read_events(metrics[0]) if e.get("event") == "start"), [])
             time.sleep(0.3)
+        say(console, f"demo: watch it with: diloco-node status --run-id {run_id} --initial-peers {maddrs[0]}")
         for i in range(1, peers):
             start(i, ["--port", "0", "--initial-peers", maddrs[0]])
         codes = [p.wait() for p in procs]
     except KeyboardInterrupt:
-        console.print("demo: stopping the nodes (they write their checkpoints)...")
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_nodes(procs, console)
+        say(console, f"demo: stopped; checkpoints and metrics are in {run_dir}")
         return 130
+    except BaseException:
+        kill_nodes(procs)  # never leave nodes behind
+        raise
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
     table = Table(title="demo summary")
     for col in ("peer", "exit", "outer steps", "averaged rounds", "first eval loss", "last eval loss"):

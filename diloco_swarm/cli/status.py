@@ -12,6 +12,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from diloco_swarm.cli.text import printable
+
 STALE_AFTER_S = 20.0
 
 
@@ -101,8 +103,10 @@ def render_table(rows: list[dict[str, Any]], run_id: str, width: int = 120) -> T
         table.add_column("reach", no_wrap=True)
         table.add_column("uptime", justify="right", no_wrap=True)
     for r in rows:
-        peer = Text(r["name"] + " " if r["name"] else "", style="bold")  # Text: never parsed as markup
-        peer.append(short_id(r["peer_id"]), style="dim")
+        # Every string here comes from another peer: printable() drops terminal control characters,
+        # and Text (never a plain str) keeps rich from reading [brackets] as markup.
+        peer = Text(printable(r["name"]) + " " if r["name"] else "", style="bold")
+        peer.append(short_id(printable(r["peer_id"])), style="dim")
         if r["last_round_ok"] is None:
             rnd = Text("–")
         elif not r["last_round_ok"]:
@@ -112,10 +116,10 @@ def render_table(rows: list[dict[str, Any]], run_id: str, width: int = 120) -> T
         if r["failed_rounds"]:
             rnd.append(f" ({r['failed_rounds']} failed)", style="red")
         state = Text(r["state"], style="green" if r["state"] == "online" else "yellow")
-        cells = [peer, state, Text(f"{r['device']} {r['precision']}".strip()), str(r["outer_step"]), _f(r["loss"]),
-                 fmt_si(r["tokens_per_s"]), rnd]
+        cells = [peer, state, Text(printable(f"{r['device']} {r['precision']}").strip()), str(r["outer_step"]),
+                 _f(r["loss"]), fmt_si(r["tokens_per_s"]), rnd]
         if wide:
-            cells += [f"{100 * r['goodput']:.0f}%", r["reachability"], fmt_duration(r["uptime_s"])]
+            cells += [f"{100 * r['goodput']:.0f}%", Text(printable(r["reachability"])), fmt_duration(r["uptime_s"])]
         table.add_row(*cells, style="dim" if r["state"] != "online" else None)
     return table
 

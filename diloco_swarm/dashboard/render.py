@@ -276,7 +276,7 @@ def _peer_table(doc: dict[str, Any], colors: dict[str, int]) -> str:
         peer = (swatch
                 + (f'<b class="name">{name}</b><br>' if name else "")
                 + f'<code class="pid" title="{pid}">{text(short_id(r.get("peer_id")))}</code>')
-        reach = {"direct": "direct", "client": "client/relay"}.get(r.get("reachability"), "–")
+        reach = {"public": "public", "unverified": "public?", "client": "client"}.get(r.get("reachability"), "–")
         version = text(r.get("version"), 32)
         heard = "said goodbye" if r.get("left") else f'heard {fmt_duration(r.get("age_s"))} ago'
         cells = [

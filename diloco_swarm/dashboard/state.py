@@ -299,5 +299,5 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "mean_loss": round(sum(losses) / len(losses), 6) if losses else None,
         "mean_eval_loss": round(sum(evals) / len(evals), 6) if evals else None,
         "failed_rounds": int(sum(r.get("failed_rounds") or 0 for r in live)),
-        "direct_peers": sum(r.get("reachability") == "direct" for r in online),
+        "direct_peers": sum(r.get("reachability") in ("public", "unverified") for r in online),
     }

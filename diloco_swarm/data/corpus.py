@@ -16,19 +16,17 @@ Sources:
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
-import re
-import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path, PurePath
 
 import numpy as np
 import torch
 import torch.nn as nn
+
+from diloco_swarm.data.files import DatasetError, list_dataset_files
 
 __all__ = [
     "DatasetError",
@@ -43,13 +41,6 @@ __all__ = [
 _BINARY_SNIFF_BYTES = 8192
 # A file goes to held-out when sha256(relative path) % _HELD_OUT_MODULUS == 0 (~2%).
 _HELD_OUT_MODULUS = 50
-# Folder names never read from the standard library.
-_STDLIB_SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idlelib", "__pycache__"})
-_GLOB_MAGIC = re.compile(r"[*?\[]")
-
-
-class DatasetError(ValueError):
-    """A user-facing data problem; the message is one line: what is wrong, what to do."""
 
 
 @dataclass
@@ -131,41 +122,7 @@ def load_corpus(dataset: str | os.PathLike | None, *, max_bytes: int | None = No
     ):
         raise DatasetError(f"max_bytes must be a positive number of bytes, got {max_bytes!r}")
 
-    if dataset is None:
-        root = sysconfig.get_paths()["stdlib"]
-        files = _stdlib_files(root)
-        label, description = f"python-stdlib ({root})", "python-stdlib"
-        if not files:
-            raise DatasetError(
-                f"found no .py files in the Python standard library at {root!r}; "
-                f"pass a dataset path instead"
-            )
-    else:
-        label = os.fspath(dataset)
-        path = os.path.expanduser(label)
-        if os.path.isfile(path):
-            files = [(PurePath(path).name, path)]
-        elif os.path.isdir(path):
-            files = _folder_files(path)
-            if not files:
-                raise DatasetError(
-                    f"dataset folder {label!r} contains no files (hidden files are skipped); "
-                    f"add text files or pass another path"
-                )
-        elif _GLOB_MAGIC.search(path):
-            files = _glob_files(path)
-            if not files:
-                raise DatasetError(
-                    f"dataset glob {label!r} matched no files; check the pattern "
-                    f"(use '**' with a folder to search recursively)"
-                )
-        else:
-            raise DatasetError(
-                f"dataset path {label!r} does not exist; pass a text file, a folder or a glob "
-                f"pattern, or no dataset for the built-in Python stdlib corpus"
-            )
-        description = None  # computed from what is actually loaded
-
+    files, label, description = list_dataset_files(dataset)
     loaded = _read_files(files, max_bytes)
     if not loaded:
         raise DatasetError(
@@ -198,43 +155,6 @@ def load_corpus(dataset: str | os.PathLike | None, *, max_bytes: int | None = No
 def _held_out_hash(rel: str) -> int:
     # surrogateescape: Linux file names need not be valid UTF-8
     return int(hashlib.sha256(rel.encode("utf-8", "surrogateescape")).hexdigest(), 16)
-
-
-def _stdlib_files(root: str) -> list[tuple[str, str]]:
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS]
-        for name in filenames:
-            full = os.path.join(dirpath, name)
-            if name.endswith(".py") and os.path.isfile(full):
-                files.append((Path(full).relative_to(root).as_posix(), full))
-    return sorted(files)
-
-
-def _folder_files(root: str) -> list[tuple[str, str]]:
-    files = []
-    # followlinks=False: a symlink loop must not hang the loader
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        for name in filenames:
-            full = os.path.join(dirpath, name)
-            if not name.startswith(".") and os.path.isfile(full):
-                files.append((Path(full).relative_to(root).as_posix(), full))
-    return sorted(files)
-
-
-def _glob_files(pattern: str) -> list[tuple[str, str]]:
-    # Root = leading components without wildcards, so relative paths (and thus
-    # order, split and description) do not depend on where the data lives.
-    parts = PurePath(pattern).parts
-    n_plain = next(i for i, part in enumerate(parts) if _GLOB_MAGIC.search(part))
-    root = os.path.abspath(os.path.join(*parts[:n_plain]) if n_plain else ".")
-    files = {}
-    for match in glob.glob(pattern, recursive=True):
-        if os.path.isfile(match):
-            full = os.path.abspath(match)
-            files[Path(os.path.relpath(full, root)).as_posix()] = full
-    return sorted(files.items())
 
 
 def _read_files(files: list[tuple[str, str]], max_bytes: int | None) -> list[tuple[str, bytes]]:

@@ -67,7 +67,7 @@ class PeerRecord(pv1.BaseModel):
     version: pv1.constr(strict=True, max_length=MAX_SHORT)
     device: pv1.constr(strict=True, max_length=MAX_SHORT)
     precision: pv1.constr(strict=True, max_length=MAX_SHORT)
-    reachability: Literal["direct", "client"]
+    reachability: Literal["public", "unverified", "client"]  # see averaging/reachability.py
     outer_step: pv1.conint(strict=True, ge=0, le=MAX_COUNT)
     tokens_per_s: pv1.confloat(strict=True, ge=0.0, le=MAX_RATE)
     loss: Optional[pv1.confloat(strict=True, ge=0.0, le=MAX_LOSS)]
@@ -178,7 +178,8 @@ def normalize_snapshot(snapshot: dict[str, Any], *, now: float | None = None) ->
     out: dict[str, Any] = {}
     for field, limit in _STR_LIMITS.items():
         out[field] = str(snapshot.get(field, "") or "")[:limit]
-    out["reachability"] = "client" if snapshot.get("reachability") == "client" else "direct"
+    reach = snapshot.get("reachability")
+    out["reachability"] = reach if reach in ("public", "client") else "unverified"
     for field, limit in _INT_LIMITS.items():
         out[field] = _int(snapshot.get(field), limit)
     for field, limit in _FLOAT_LIMITS.items():

@@ -10,10 +10,8 @@ DHT keys of a run (see docs/protocol.md):
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,6 +22,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from diloco_swarm.spec import RunSpec, SpecMismatch
 from diloco_swarm.utils import hivemind_fixes  # noqa: F401  (patches hivemind before any DHT forks)
+from diloco_swarm.utils.net import port_problem
 
 SPEC_TTL_S = 3600.0
 
@@ -52,22 +51,40 @@ def parse_initial_peers(values: Sequence[str]) -> list[str]:
     return peers
 
 
+def peer_ids_of(maddrs: Sequence[str]) -> list[str]:
+    """The ``/p2p/<peer id>`` parts of multiaddrs (base58), in order, without duplicates."""
+    out: list[str] = []
+    for a in maddrs:
+        peer = str(a).rsplit("/p2p/", 1)[-1] if "/p2p/" in str(a) else ""
+        if peer and "/" not in peer and peer not in out:
+            out.append(peer)
+    return out
+
+
+def p2pd_problem() -> str | None:
+    """Why hivemind's bundled libp2p daemon (``p2pd``) cannot run on this host, or None."""
+    import platform
+
+    from hivemind.p2p import p2p_daemon
+
+    machine, system = platform.machine().lower(), platform.system()
+    if system != "Linux" or machine not in ("x86_64", "amd64"):
+        daemon = Path(p2p_daemon.__file__).parent.parent / "hivemind_cli" / "p2pd"
+        if not daemon.exists() or not os.access(daemon, os.X_OK):
+            return (f"hivemind's libp2p daemon (p2pd) is not available for {system} {machine}: hivemind's "
+                    "wheel bundles it for Linux x86-64 only. Run the node under Linux x86-64 (WSL2 on Windows, "
+                    "a Linux VM or container on macOS), or build p2pd from source (docs/networking.md)")
+    return None
+
+
 def check_port_free(host: str, port: int) -> None:
     """Fail early, with a clear message, when ``host:port`` cannot be bound (TCP).
 
     :raises SwarmError: the port is in use or the address is not local.
     """
-    if port == 0:
-        return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise SwarmError(f"port {port} on {host} is already in use; pick another with --port (0 = any free port)")
-            raise SwarmError(f"cannot listen on {host}:{port}: {e.strerror}")
+    problem = port_problem(host, port)
+    if problem is not None:
+        raise SwarmError(problem)
 
 
 def listen_maddrs(host: str, port: int) -> list[str]:
@@ -111,13 +128,26 @@ def start_dht(
     identity_path: Path | None = None,
     client_mode: bool = False,
     record_validators: Sequence[Any] = (),
+    retry_busy_port_s: float = 0.0,
 ) -> DHT:
     """Start a ``hivemind.DHT`` (a background process with the go-libp2p daemon).
 
     :param identity_path: private key file; created on first start, so the peer id survives restarts.
-    :raises SwarmError: port busy, bad multiaddr, or no initial peer answered.
+    :param retry_busy_port_s: keep retrying a busy port this long (a restart right after a shutdown).
+    :raises SwarmError: port busy, bad multiaddr, no initial peer answered, or p2pd cannot run here.
     """
-    check_port_free(host, port)
+    problem = p2pd_problem()
+    if problem is not None:
+        raise SwarmError(problem)
+    deadline = time.monotonic() + retry_busy_port_s
+    while True:
+        try:
+            check_port_free(host, port)
+            break
+        except SwarmError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
     for a in announce:
         try:
             Multiaddr(a)
@@ -145,6 +175,10 @@ def start_dht(
             )
         if "address already in use" in text:
             raise SwarmError(f"port {port} is already in use; pick another with --port")
+        problem = p2pd_problem()
+        if problem is not None or "exec format error" in text.lower():
+            raise SwarmError(problem or f"hivemind's libp2p daemon (p2pd) cannot run on this host ({text}); "
+                             "see docs/networking.md")
         raise SwarmError(f"could not start the DHT: {text}")
 
 

@@ -24,6 +24,8 @@ import torch
 CHECKPOINT_NAME = "checkpoint.pt"
 PREVIOUS_NAME = "checkpoint.prev.pt"
 FORMAT_VERSION = 1
+# The temp files of save_checkpoint: mkstemp's ".checkpoint.XXXXXXXX.tmp" and ".checkpoint.prev.pt.tmp".
+TEMP_PREFIX, TEMP_SUFFIX = ".checkpoint.", ".tmp"
 
 
 class CheckpointError(Exception):
@@ -45,8 +47,8 @@ def save_checkpoint(state_dir: Path, state: dict[str, Any]) -> Path:
     """
     state_dir.mkdir(parents=True, exist_ok=True)
     target = state_dir / CHECKPOINT_NAME
-    fd, tmp_name = tempfile.mkstemp(prefix=".checkpoint.", suffix=".tmp", dir=state_dir)
-    prev_tmp = state_dir / f".{PREVIOUS_NAME}.tmp"
+    fd, tmp_name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=state_dir)
+    prev_tmp = state_dir / f".{PREVIOUS_NAME}{TEMP_SUFFIX}"
     try:
         with os.fdopen(fd, "wb") as f:
             out = _WriteErrorRecorder(f)
@@ -79,6 +81,29 @@ def save_checkpoint(state_dir: Path, state: dict[str, Any]) -> Path:
     finally:
         os.close(dir_fd)
     return target
+
+
+def remove_stale_temp_files(state_dir: Path) -> list[Path]:
+    """Delete the temp files that a write cut short (a second Ctrl+C, a crash) left in ``state_dir``.
+
+    Only :func:`save_checkpoint`'s own temp names, only directly in ``state_dir``, only regular
+    files; ``checkpoint.pt`` and ``checkpoint.prev.pt`` are never touched. Call it while holding
+    the state dir lock, so that no other node is writing there.
+
+    :returns: the files removed.
+    """
+    removed = []
+    if not state_dir.is_dir():
+        return removed
+    for path in state_dir.glob(f"{TEMP_PREFIX}*{TEMP_SUFFIX}"):
+        if path.name in (CHECKPOINT_NAME, PREVIOUS_NAME) or path.is_symlink() or not path.is_file():
+            continue
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed
 
 
 class _WriteErrorRecorder:

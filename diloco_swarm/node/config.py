@@ -19,7 +19,8 @@ class NodeConfig:
     host: str = "0.0.0.0"
     port: int = 0
     announce: list[str] = field(default_factory=list)
-    client_mode: bool = False
+    client_mode: bool = False  # forced client; otherwise decided by the reachability check
+    public: bool = False  # forced full peer: skip the reachability check
     batch_size: int = 16
     device: str = "auto"
     threads: int = 0  # torch CPU threads; 0 = torch's default
@@ -36,3 +37,4 @@ class NodeConfig:
     wait_for_peers_timeout: float = 120.0
     name: str = ""
     fault: str = ""  # test-only fault injection, hidden from --help
+    debug_dump_rounds: Path | None = None  # test-only: {outer_step}-{peer_id}.pt with local and applied Δ

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -11,6 +12,18 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 from rich.text import Text
+
+
+def finite_or_null(value: Any) -> Any:
+    """``value`` with every NaN/inf float (in dicts, lists and tuples, at any depth) replaced by ``None``,
+    so that it is valid JSON (which has no NaN or Infinity)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
 
 
 class MetricsWriter:
@@ -25,7 +38,8 @@ class MetricsWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps({"time": round(time.time(), 3), **record}, allow_nan=False, default=str) + "\n")
+            line = json.dumps(finite_or_null({"time": round(time.time(), 3), **record}), allow_nan=False, default=str)
+            self._file.write(line + "\n")
             self._file.flush()
 
     def close(self) -> None:
@@ -73,11 +87,14 @@ class StatusLine:
             f"inner {f.get('inner_step', 0)}/{f.get('inner_steps', '?')}",
             f"loss {f['loss']:.3f}" if f.get("loss") is not None else "loss -",
             f"{f.get('tokens_per_s', 0):,.0f} tok/s",
-            f"peers {f.get('peers_seen', 1)}",
+            f"peers {f.get('peers_seen', 1)}" + (" (we are a client)" if f.get("reachability") == "client" else ""),
         ]
         if f.get("last_round"):
             r = f["last_round"]
-            state = "ok" if r["round_ok"] else f"failed ({r.get('reason') or 'solo'})"
+            if r["round_ok"]:
+                state = "ok"
+            else:
+                state = f"{'failed' if r['group_size'] >= 2 else 'solo'} ({r.get('reason') or 'no group'})"
             parts.append(
                 f"last round: group {r['group_size']}, {_fmt_bytes(r['bytes_sent'])} sent, {r['averaging_s']:.1f}s, {state}"
             )

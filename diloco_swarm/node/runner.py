@@ -31,7 +31,8 @@ import torch
 from diloco_swarm import __version__
 from diloco_swarm.data import BatchSampler, evaluate, held_out_batches, load_corpus
 from diloco_swarm.models import build_model, num_parameters
-from diloco_swarm.node.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from diloco_swarm.node.checkpoint import (CheckpointError, checkpoint_path, load_checkpoint,
+                                          remove_stale_temp_files, save_checkpoint)
 from diloco_swarm.node.config import NodeConfig
 from diloco_swarm.node.outer import OuterOptimizer
 from diloco_swarm.node.report import MetricsWriter, StatusLine
@@ -117,7 +118,8 @@ class Node:
         self.averager = None
         self.lock = None
         self.metrics = MetricsWriter(config.metrics_file)
-        self.failed_rounds = 0
+        self.failed_rounds = 0  # a group formed, but its round was partial/unconfirmed (our Δ applied)
+        self.solo_rounds = 0  # no group formed in the window
         self.state_syncs = 0
         self.bytes_sent_total = 0
         self.bytes_received_total = 0
@@ -125,6 +127,9 @@ class Node:
         self.round_tokens_per_s: float | None = None  # tokens / inner seconds of the last outer step
         self.records = None
         self.last_round: dict[str, Any] | None = None
+        self.client_mode = config.client_mode  # may switch on at start when we are unreachable
+        self.reachability = "client" if config.client_mode else "unverified"  # public | unverified | client
+        self._warned_no_public = False
         self._state_lock = threading.Lock()  # θ_global is read by the donation thread
 
     # ------------------------------------------------------------------ setup
@@ -137,6 +142,7 @@ class Node:
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
         self.lock = StateDirLock(cfg.state_dir)
+        remove_stale_temp_files(cfg.state_dir)  # left by a write that a second Ctrl+C or a crash cut short
 
         # Everything local that can fail is checked before we touch the network.
         self.corpus = load_corpus(cfg.dataset, max_bytes=cfg.max_dataset_bytes)
@@ -180,17 +186,16 @@ class Node:
         from diloco_swarm.dht.records import PeerRecordPublisher, record_validators
 
         validators = record_validators(spec.run_id, cfg.state_dir)
-        self.dht = start_dht(
-            initial_peers=cfg.initial_peers,
-            host=cfg.host,
-            port=cfg.port,
-            announce=cfg.announce,
-            identity_path=cfg.state_dir / "identity.key",
-            client_mode=cfg.client_mode,
-            record_validators=validators,
-        )
+        dht_args = dict(initial_peers=cfg.initial_peers, host=cfg.host, port=cfg.port, announce=cfg.announce,
+                        identity_path=cfg.state_dir / "identity.key", record_validators=validators)
+        self.dht = start_dht(client_mode=self.client_mode, **dht_args)
         self.peer_id = self.dht.peer_id.to_base58()
         ensure_run_spec(self.dht, spec, joining=bool(cfg.initial_peers))
+        if self._detect_reachability() == "unreachable":
+            # Behind NAT: a full peer would break every group it joins. Restart the DHT as a client.
+            self.dht.shutdown()
+            self.client_mode, self.reachability = True, "client"
+            self.dht = start_dht(client_mode=True, retry_busy_port_s=15.0, **dht_args)
         self.sampler = BatchSampler(self.corpus.train, cfg.batch_size, spec.seq_len, seed=spec.seed, stream_id=self.peer_id)
         self.eval_set = held_out_batches(self.corpus.held_out, cfg.batch_size, spec.seq_len, cfg.eval_batches)
         self.averager = PseudoGradientAverager(
@@ -202,10 +207,10 @@ class Node:
             matchmaking_time=cfg.matchmaking_time,
             allreduce_timeout=cfg.allreduce_timeout,
             max_norm_ratio=cfg.max_norm_ratio,
-            client_mode=cfg.client_mode,
+            client_mode=self.client_mode,
             state_provider=self._state_for_donation,
         )
-        if not cfg.client_mode:
+        if not self.client_mode:
             self.averager.state_sharing_priority = float(self.outer_step)
         self.records = PeerRecordPublisher(self.dht, spec.run_id, validators, self._record_snapshot, interval_s=5.0)
         self.records.start()
@@ -227,6 +232,47 @@ class Node:
                 "outer_step": self.outer_step,
             }
         )
+
+    def _detect_reachability(self) -> str:
+        """Ask a public peer to dial us back (averaging/reachability.py) unless --client-mode or
+        --public decided it. :returns: "reachable", "unreachable" or "unknown"; sets ``reachability``."""
+        from diloco_swarm.averaging.averager import state_donors
+        from diloco_swarm.averaging.reachability import check_reachability, transport_addrs
+        from diloco_swarm.dht.swarm import peer_ids_of
+
+        cfg = self.cfg
+        if self.client_mode:
+            self.status.log("client mode (--client-mode): this node dials out only; it averages through public "
+                            "peers but reduces no parts and donates no state")
+            return "unknown"
+        if cfg.public:
+            self.status.log("--public: reachability not checked; other peers must be able to dial "
+                            + (", ".join(cfg.announce) if cfg.announce else f"port {cfg.port or '(random)'}"))
+            return "unknown"
+        if not cfg.initial_peers:
+            return "unknown"  # the first peer: whoever joins through it proves it reachable
+        maddrs = transport_addrs(self.dht.get_visible_maddrs(latest=True))
+        candidates = [p for p in state_donors(self.dht, self.spec.run_id) if p != self.peer_id]
+        candidates += [p for p in peer_ids_of(cfg.initial_peers) if p not in candidates and p != self.peer_id]
+        verdict = check_reachability(self.dht, self.spec.run_id, candidates, maddrs)
+        self.metrics.write({"event": "reachability", "peer_id": self.peer_id, "reachable": verdict.reachable,
+                            "responder": verdict.responder, "reason": verdict.reason, "maddrs": maddrs})
+        if verdict.reachable is True:
+            self.reachability = "public"
+            self.status.log(f"reachable: peer {verdict.responder} dialed us back; serving as a full peer")
+            return "reachable"
+        if verdict.reachable is None:
+            self.status.log(f"could not check reachability ({verdict.reason}); serving as a full peer. Behind a home "
+                            "router without port forwarding? Restart with --client-mode")
+            return "unknown"
+        port = cfg.port or "PORT"
+        self.status.log(
+            f"unreachable: peer {verdict.responder} could not dial us back ({verdict.reason}); running as a client "
+            f"(trains and averages, but reduces no parts and donates no state). To serve as a full peer, forward TCP "
+            f"port {port} on your router and restart with --port {port} --announce /ip4/YOUR_PUBLIC_IP/tcp/{port} "
+            "(docs/networking.md); or run as is"
+        )
+        return "unreachable"
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
         try:
@@ -261,7 +307,7 @@ class Node:
             "version": __version__,
             "device": device,
             "precision": precision,
-            "reachability": "client" if self.cfg.client_mode else "direct",
+            "reachability": self.reachability,
             "outer_step": self.outer_step,
             "tokens_per_s": float(self.round_tokens_per_s or f.get("tokens_per_s", 0.0)),
             "loss": f.get("loss"),
@@ -376,8 +422,11 @@ class Node:
             return
         deadline = time.monotonic() + self.cfg.wait_for_peers_timeout
         self.status.log(f"waiting for {want} peers (at most {self.cfg.wait_for_peers_timeout:.0f}s)")
+        from diloco_swarm.dht.records import read_peer_records
+
         while not self.stop.requested:
-            seen = 1 + len(self.averager.donors())
+            # clients are not state donors, but every peer publishes a record
+            seen = max(1 + len(self.averager.donors()), len(read_peer_records(self.dht, self.spec.run_id)))
             if seen >= want:
                 return
             if time.monotonic() > deadline:
@@ -499,12 +548,42 @@ class Node:
                 "peers_seen": getattr(self, "peers_seen", 1),
                 "last_round": self.last_round,
                 "failed_rounds": self.failed_rounds,
+                "reachability": self.reachability,
                 "goodput": self.clock.goodput(),
             },
             force=force,
         )
 
+    def _dump_round(self, local, applied, tokens: int, result) -> None:
+        """Test-only (hidden ``--debug-dump-rounds``): what we contributed and what we applied."""
+        self.cfg.debug_dump_rounds.mkdir(parents=True, exist_ok=True)
+        torch.save({"outer_step": self.outer_step, "peer_id": self.peer_id, "ok": result.ok, "weight": tokens,
+                    "group": result.group_peer_ids, "reason": result.reason,
+                    "local": [d.detach().cpu().clone() for d in local], "applied": [a.detach().cpu().clone() for a in applied]},
+                   self.cfg.debug_dump_rounds / f"{self.outer_step}-{self.peer_id}.pt")
+
+    def _public_peer_online(self) -> bool:
+        """Whether a group can form for us: always for a full peer; a client needs a public peer."""
+        from diloco_swarm.dht.records import read_peer_records
+
+        if not self.client_mode or self.averager.donors():
+            return True
+        records = read_peer_records(self.dht, self.spec.run_id)
+        return any(p != self.peer_id and r.reachability != "client" for p, r in records.items())
+
     def _average(self, delta: list[torch.Tensor], tokens: int, theta_digest: str):
+        from diloco_swarm.averaging.averager import RoundResult
+
+        if not self._public_peer_online():
+            # Clients cannot form a group among themselves (nobody accepts connections): skip
+            # matchmaking instead of waiting out the window. One warning per run.
+            if not self._warned_no_public:
+                self._warned_no_public = True
+                self.status.log("warning: no public peer in the swarm, only clients (which cannot reach each "
+                                "other); training solo until a public peer joins. A peer that can accept "
+                                "connections (port forwarded, or a server) lets the swarm average again")
+            return RoundResult(ok=False, group_size=1, reason="no public peer: every peer is a client"), [
+                d.detach().to("cpu", torch.float32).clone() for d in delta]
         metadata = {"outer_step": self.outer_step, "tokens": tokens, "spec_hash": self.spec.spec_hash(),
                     "theta_digest": theta_digest}
         if self.cfg.fault == "huge":
@@ -559,8 +638,12 @@ class Node:
                 mine = (self.outer_step, _theta_digest(self.outer.theta))
                 result, avg = self._average(delta, tokens, mine[1])
                 self.clock.averaging_s += time.monotonic() - t0
-                if not result.ok:
-                    self.failed_rounds += 1
+                if self.cfg.debug_dump_rounds is not None:
+                    self._dump_round(delta, avg, tokens, result)
+                if not result.ok and result.group_size >= 2:
+                    self.failed_rounds += 1  # a group formed but the round was partial or unconfirmed
+                elif result.group_size < 2:
+                    self.solo_rounds += 1
                 with self._state_lock:
                     self.outer.step(avg)
                     self.outer.copy_to(self.params)
@@ -568,7 +651,7 @@ class Node:
                 round_step, round_digest = self.outer_step, _theta_digest(self.outer.theta)
                 self.tokens_total += tokens
                 self._checkpoint()
-                if not self.cfg.client_mode:
+                if not self.client_mode:
                     self.averager.state_sharing_priority = float(self.outer_step)
                 if result.gathered and not self.stop.requested:
                     syncs_before = self.state_syncs
@@ -605,6 +688,8 @@ class Node:
                     "rejected_peers": result.rejected_peers,
                     "digest_confirmed_by": result.agreed_peers,
                     "failed_rounds": self.failed_rounds,
+                    "solo_rounds": self.solo_rounds,
+                    "reachability": self.reachability,
                     "state_syncs": self.state_syncs,
                     "theta_digest": round_digest,
                     "inner_s": round(self.clock.inner_s, 3),
@@ -625,7 +710,7 @@ class Node:
                         self.status.log(f"outer step {self.outer_step}: peer {peer} was refused: {why}")
             self.metrics.write({"event": "stop", "peer_id": self.peer_id, "outer_step": self.outer_step,
                                 "graceful": True, "goodput": round(self.clock.goodput(), 4)})
-            if self.averager is not None and not self.cfg.client_mode:
+            if self.averager is not None and not self.client_mode:
                 with contextlib.suppress(Exception):
                     self.averager.allow_state_sharing = False  # publishes "no longer a donor"
             if self.records is not None:

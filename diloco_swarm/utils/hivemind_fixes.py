@@ -10,7 +10,12 @@ loaded 2-core machine about once in five 3-node starts. :func:`keep_task_alive` 
 coroutine method so that its task holds a strong reference to itself while it runs.
 
 Orphans. The DHT and averager processes outlive a SIGKILLed parent; :func:`die_with_parent`
-makes them follow it.
+makes them follow it. They also drop the node's inherited Ctrl+C handler: SIGINT is ignored
+(the node stops them), SIGTERM ends them.
+
+The libp2p daemon. hivemind starts ``p2pd`` in the node's process group, so a terminal's Ctrl+C
+killed it under the node, which then could not say goodbye and printed tracebacks.
+:func:`_spawn_p2pd_apart` starts it in its own process group, dying with the process that started it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
+import os
 import signal
 import sys
 
@@ -60,9 +66,39 @@ def _run_dying_with_parent(run):
     @functools.wraps(run)
     def wrapper(self, *args, **kwargs):
         die_with_parent()
+        # The fork inherited the node's Ctrl+C handler (runner.StopFlag), which would swallow the
+        # SIGTERM of hivemind's own "terminate it the hard way" and print a second "stopping" line.
+        # The node stops its children itself; SIGTERM must end one.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         return run(self, *args, **kwargs)
 
     wrapper.__dies_with_parent__ = True
+    return wrapper
+
+
+_prctl = None
+if sys.platform.startswith("linux"):
+    try:
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before any fork
+    except (OSError, AttributeError):
+        _prctl = None
+
+
+def _p2pd_preexec() -> None:
+    os.setpgid(0, 0)  # the terminal's Ctrl+C goes to the node's group, not to its daemon
+    if _prctl is not None:
+        _prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG: no orphaned daemon after kill -9
+
+
+def _spawn_p2pd_apart(create_subprocess_exec):
+    @functools.wraps(create_subprocess_exec)
+    async def wrapper(program, *args, **kwargs):
+        if os.path.basename(str(program)) == "p2pd" and "preexec_fn" not in kwargs:
+            kwargs["preexec_fn"] = _p2pd_preexec
+        return await create_subprocess_exec(program, *args, **kwargs)
+
+    wrapper.__spawns_p2pd_apart__ = True
     return wrapper
 
 
@@ -85,6 +121,9 @@ def patch_hivemind() -> None:
         run = cls.__dict__.get("run")
         if run is not None and not getattr(run, "__dies_with_parent__", False):
             setattr(cls, "run", _run_dying_with_parent(run))
+    # hivemind.p2p.p2p_daemon calls asyncio.subprocess.create_subprocess_exec; only p2pd is affected
+    if not getattr(asyncio.subprocess.create_subprocess_exec, "__spawns_p2pd_apart__", False):
+        asyncio.subprocess.create_subprocess_exec = _spawn_p2pd_apart(asyncio.subprocess.create_subprocess_exec)
 
 
 patch_hivemind()

@@ -1,0 +1,114 @@
+"""Checks of ``join``'s input that need neither torch nor hivemind, run before those imports (5–60 s).
+
+Each check runs ahead of a slower, authoritative one that still runs later (``dht/swarm.py``'s
+multiaddr parsing and port check, ``data/corpus.py``'s dataset loading) and reports the same
+message, so bad input is refused at once: the port and dataset checks call the very functions
+the node uses; the multiaddr check lets what it cannot decide cheaply through to the slow one,
+so it never refuses an address the node would accept.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable, Sequence
+
+from diloco_swarm.utils.net import port_problem
+
+
+class InputError(ValueError):
+    """Bad command-line input; the message is one line."""
+
+
+def _port(value: str) -> None:
+    if not 0 <= int(value, 10) <= 65535:
+        raise ValueError(value)
+
+
+def _peer_id(value: str) -> None:
+    if not value.isalnum() or not value.isascii():
+        raise ValueError(value)
+
+
+def _nonempty(value: str) -> None:
+    if not value:
+        raise ValueError(value)
+
+
+# Multiaddr protocols (hivemind.utils.multiaddr) whose value is cheap to check, and those without a value.
+_VALUE_CHECKS: dict[str, Callable[[str], object]] = {
+    "ip4": ipaddress.IPv4Address, "ip6": ipaddress.IPv6Address, "tcp": _port, "udp": _port, "dccp": _port,
+    "sctp": _port, "p2p": _peer_id, "dns": _nonempty, "dns4": _nonempty, "dns6": _nonempty, "dnsaddr": _nonempty,
+}
+_NO_VALUE = frozenset({"udt", "utp", "quic", "quic-v1", "http", "https", "tls", "ws", "wss", "p2p-circuit",
+                       "p2p-websocket-star", "p2p-webrtc-star", "p2p-webrtc-direct"})
+
+
+def is_malformed_multiaddr(addr: str) -> bool:
+    """True when hivemind's multiaddr parser would certainly refuse ``addr``."""
+    if not addr.startswith("/"):
+        return True
+    parts = addr.rstrip("/").split("/")[1:]
+    while parts:
+        name = parts.pop(0)
+        if name in _NO_VALUE:
+            continue
+        if name not in _VALUE_CHECKS:
+            return False  # a protocol we do not know (or that takes a path): the real parser decides
+        try:
+            _VALUE_CHECKS[name](parts.pop(0))
+        except (ValueError, IndexError):
+            return True
+    return False
+
+
+def check_initial_peers(values: Sequence[str]) -> None:
+    """Refuse an empty address (which would silently start a new swarm) and obviously malformed ones.
+
+    :raises InputError: same messages as ``dht.swarm.parse_initial_peers``.
+    """
+    for value in values:
+        items = value.replace(",", " ").split()
+        if not items:
+            raise InputError(f"--initial-peers: got an empty address ({value!r}); give the multiaddr a node prints "
+                             "(/ip4/HOST/tcp/PORT/p2p/PEER_ID), or omit --initial-peers to start a new swarm")
+        for item in items:
+            if is_malformed_multiaddr(item):
+                raise InputError(f"--initial-peers: '{item}' is not a multiaddr (expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)")
+            if "/p2p/" not in item:
+                raise InputError(f"--initial-peers: '{item}' lacks the /p2p/PEER_ID part; copy the full address a node prints")
+
+
+def check_announce(values: Sequence[str]) -> None:
+    """:raises InputError: same message as ``dht.swarm.start_dht``."""
+    for a in values:
+        if is_malformed_multiaddr(a):
+            raise InputError(f"--announce: '{a}' is not a multiaddr (expected /ip4/PUBLIC_IP/tcp/PORT)")
+
+
+def check_port(host: str, port: int) -> None:
+    """:raises InputError: the port is busy or the address is not local (``utils.net.port_problem``)."""
+    problem = port_problem(host, port)
+    if problem is not None:
+        raise InputError(problem)
+
+
+def check_dataset(dataset: str | None) -> None:
+    """:raises InputError: the ``DatasetError`` that loading would raise for a missing path, an empty
+    folder or a glob without matches (it stops at the first file, and reads none)."""
+    if dataset is None:
+        return
+    from diloco_swarm.data.files import DatasetError, list_dataset_files
+
+    try:
+        list_dataset_files(dataset, first_only=True)
+    except DatasetError as e:
+        raise InputError(str(e)) from None
+
+
+def check_join_input(*, initial_peers: Sequence[str], announce: Sequence[str], host: str, port: int,
+                     dataset: str | None) -> None:
+    """All of the above, in the order the node itself would find the problems. :raises InputError:"""
+    check_initial_peers(initial_peers)
+    check_dataset(dataset)
+    check_port(host, port)
+    check_announce(announce)

@@ -1,0 +1,18 @@
+"""Terminal-safe text: what a peer or a user typed must not drive the terminal."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def printable(value: Any) -> str:
+    """``str(value)`` fit for one terminal line: whitespace (newlines, tabs) becomes a space, and other
+    non-printable characters (ANSI escape sequences' ESC, bidi overrides, zero-width marks) are dropped.
+
+    Text built from the result must still not be parsed as rich markup: print it as ``rich.text.Text``
+    or through ``rich.markup.escape``.
+    """
+    s = str(value)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else " " if c.isspace() else "" for c in s)

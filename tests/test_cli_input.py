@@ -1,0 +1,92 @@
+"""`diloco-node join` refuses bad input before its slow imports (torch, hivemind: 5–60 s).
+
+Each case runs the real command with a `torch` and a `hivemind` that fail on import placed first
+on the path: the one `error:` line and exit code 2 prove that the input was checked before them.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from test_cli_errors import error_line
+
+NODE = [sys.executable, "-m", "diloco_swarm", "join"]
+
+
+@pytest.fixture(scope="module")
+def poisoned_env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("poison")
+    for name in ("torch", "hivemind"):
+        (root / name).mkdir()
+        (root / name / "__init__.py").write_text(f"raise ImportError('{name} imported before the input was checked')\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+
+
+def run_join(env, cwd, *args):
+    return subprocess.run([*NODE, "--state-dir", str(cwd / "state"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_poison_works(poisoned_env, tmp_path):
+    out = run_join(poisoned_env, tmp_path, "--dataset", str(tmp_path / "missing"), "--initial-peers",
+                   "/ip4/127.0.0.1/tcp/1/p2p/QmcaAm1dbxe3yDbWTLWVedDN8xTYf3NXS6TCfAyaMH5dcK")
+    assert out.returncode == 2  # the dataset is missing: refused before any import
+    good = tmp_path / "data.txt"
+    good.write_text("some text\n" * 100)
+    out = run_join(poisoned_env, tmp_path, "--dataset", str(good))
+    assert out.returncode != 0 and "imported before the input was checked" in out.stderr
+    assert not (tmp_path / "state" / "checkpoint.pt").exists()
+
+
+CASES = {
+    "peers-empty": (["--initial-peers", ""], ["--initial-peers", "empty address", "omit --initial-peers"]),
+    "peers-blank": (["--initial-peers", " , "], ["--initial-peers", "empty address"]),
+    "peers-one-empty": (["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmcaAm1dbxe3yDbWTLWVedDN8xTYf3NXS6TCfAyaMH5dcK",
+                         "--initial-peers", ""], ["empty address"]),
+    "peers-garbage": (["--initial-peers", "garbage"], ["'garbage'", "not a multiaddr"]),
+    "peers-bad-port": (["--initial-peers", "/ip4/1.2.3.4/tcp/99999/p2p/QmX"], ["tcp/99999", "not a multiaddr"]),
+    "peers-bad-ip": (["--initial-peers", "/ip4/1.2.3/tcp/5/p2p/QmX"], ["'/ip4/1.2.3/tcp/5/p2p/QmX'", "not a multiaddr"]),
+    "peers-no-p2p": (["--initial-peers", "/ip4/127.0.0.1/tcp/1"], ["'/ip4/127.0.0.1/tcp/1'", "/p2p/PEER_ID"]),
+    "announce-bad": (["--announce", "203.0.113.5:31337"], ["--announce", "'203.0.113.5:31337'", "not a multiaddr"]),
+    "announce-bad-ip": (["--announce", "/ip4/203.0.113/tcp/5"], ["--announce", "not a multiaddr"]),
+    "client-and-public": (["--client-mode", "--public"], ["--client-mode and --public contradict"]),
+    "dataset-missing": (["--dataset", "{tmp}/no-such-file.txt"], ["no-such-file.txt", "does not exist"]),
+    "dataset-empty-folder": (["--dataset", "{tmp}/empty"], ["empty", "contains no files"]),
+    "dataset-glob-no-match": (["--dataset", "{tmp}/*.nothing"], ["*.nothing", "matched no files"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_is_refused_before_the_heavy_imports(poisoned_env, tmp_path, name):
+    (tmp_path / "empty").mkdir()
+    args, fragments = CASES[name]
+    out = run_join(poisoned_env, tmp_path, *[a.replace("{tmp}", str(tmp_path)) for a in args])
+    line = error_line(out.stderr, out.returncode, out.stdout)
+    for fragment in fragments:
+        assert fragment in line, f"{fragment!r} missing from: {line}"
+    assert not (tmp_path / "state").exists()  # nothing created, nothing touched
+
+
+def test_a_busy_port_is_refused_before_the_heavy_imports(poisoned_env, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = run_join(poisoned_env, tmp_path, "--host", "127.0.0.1", "--port", str(port))
+    line = error_line(out.stderr, out.returncode, out.stdout)
+    assert f"port {port} on 127.0.0.1 is already in use" in line
+
+
+def test_addresses_the_node_accepts_pass_the_quick_check():
+    from hivemind.utils.multiaddr import Multiaddr
+
+    from diloco_swarm.cli.precheck import is_malformed_multiaddr
+
+    peer = "QmcaAm1dbxe3yDbWTLWVedDN8xTYf3NXS6TCfAyaMH5dcK"
+    for addr in [f"/ip4/127.0.0.1/tcp/31337/p2p/{peer}", f"/ip6/::1/tcp/5/p2p/{peer}", f"/dns4/example.org/tcp/5/p2p/{peer}",
+                 "/ip4/1.2.3.4/udp/5/quic-v1", "/ip4/203.0.113.5/tcp/31337", "/unix/tmp/p2pd.sock", "/ip4/1.2.3.4/tcp/5/"]:
+        Multiaddr(addr)  # hivemind's parser accepts it...
+        assert not is_malformed_multiaddr(addr), addr  # ...so the quick check must too

@@ -1,0 +1,124 @@
+"""`diloco-node demo` and Ctrl+C: the terminal's SIGINT reaches the demo only (each node has its own
+process group), the demo asks each node to stop exactly once, and a second Ctrl+C kills them.
+
+The demo runs for real, as a subprocess in its own session, and gets SIGINT the way a terminal sends
+it: to its whole process group. Its nodes are stand-ins (tests/fake_node.py) that record the signals
+they receive; the real node's SIGINT handling is tested in test_cli_errors.py and test_churn.py.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+FAKE_NODE = Path(__file__).with_name("fake_node.py")
+DEMO = (
+    "import sys; import diloco_swarm.cli.demo as demo; "
+    f"demo.node_command = lambda *args: [sys.executable, {str(FAKE_NODE)!r}, *args]; "
+    "from diloco_swarm.cli import main; sys.argv[0] = 'diloco-node'; main()"
+)
+
+
+def start_demo(tmp_path, mode):
+    log = open(tmp_path / "demo.stderr", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DEMO, "demo", "--peers", "2", "--port", "0", "--workdir", str(tmp_path / "work")],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
+        env={**os.environ, "FAKE_NODE_MODE": mode},
+    )
+    log.close()
+    return proc
+
+
+def wait_for(predicate, what, proc, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    pytest.fail(f"{what} (demo exit code {proc.poll()})")
+
+
+def node_dirs(tmp_path):
+    return sorted((tmp_path / "work").glob("run-*/peer-*"))
+
+
+def signals_of(node_dir):
+    path = node_dir / "signals"
+    return path.read_text().split() if path.exists() else []
+
+
+@pytest.fixture
+def demo(tmp_path):
+    procs = []
+
+    def run(mode):
+        procs.append(start_demo(tmp_path, mode))
+        proc = procs[-1]
+        wait_for(lambda: len([d for d in node_dirs(tmp_path) if (d / "pid").exists()]) == 2, "nodes did not start", proc)
+        return proc
+
+    yield run
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for d in node_dirs(tmp_path):  # stand-in nodes still running after a failure
+        if (d / "pid").exists() and not (d / "exit").exists():
+            try:
+                os.killpg(int((d / "pid").read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_stops_each_node_with_exactly_one_sigint(demo, tmp_path):
+    proc = demo("graceful")
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl+C does
+    assert proc.wait(timeout=60) == 130
+    stderr = (tmp_path / "demo.stderr").read_text()
+    assert "Traceback" not in stderr, stderr
+    assert stderr.count("demo: stopping the nodes") == 1, stderr
+    for d in node_dirs(tmp_path):
+        assert signals_of(d) == ["SIGINT"], d  # one stop request: no second signal, so the checkpoint is kept
+        assert (d / "exit").read_text() == "0"
+    assert "watch it with: diloco-node status --run-id demo-" in stderr
+
+
+@pytest.mark.timeout(90)
+def test_a_second_ctrl_c_kills_the_nodes_and_says_so(demo, tmp_path):
+    proc = demo("stubborn")
+    os.killpg(proc.pid, signal.SIGINT)
+    wait_for(lambda: all(signals_of(d) == ["SIGINT"] for d in node_dirs(tmp_path)), "no SIGINT reached the nodes", proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=30) == 130
+    stderr = (tmp_path / "demo.stderr").read_text()
+    assert "Traceback" not in stderr, stderr
+    assert sum("Ctrl+C again: killing the nodes" in line for line in stderr.splitlines()) == 1, stderr
+    for d in node_dirs(tmp_path):
+        assert signals_of(d) == ["SIGINT", "SIGTERM"], d
+        assert (d / "exit").read_text() == "130"
+
+
+def test_demo_accepts_port_0_and_refuses_a_busy_port(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "diloco_swarm", "demo", "--port", str(port),
+                              "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr == f"error: port {port} on 127.0.0.1 is already in use; pick another with --port (0 = any free port)\n"
+    assert not (tmp_path / "work").exists()
+    help_text = subprocess.run([sys.executable, "-m", "diloco_swarm", "demo", "--help"], capture_output=True,
+                               text=True, timeout=60, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "0 = any free port" in help_text and "[0<=x<=65535]" in help_text

@@ -1,0 +1,181 @@
+"""Home PCs behind NAT (issue: client mode, reachability detection, round integrity).
+
+Real ``diloco-node join`` processes, each in its own network namespace (tests/natlib.py: two
+public hosts, two home PCs behind separate MASQUERADE routers). Every node saves what it
+contributed and what it applied in each round (hidden ``--debug-dump-rounds``), so the tests
+compare each peer's applied pseudo-gradient with the true token-weighted mean of its group's
+contributions: an ok round must apply exactly that mean (int8 on the wire), a failed round
+must apply the peer's own Δ, and nothing else is allowed.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from natlib import nat_topology, unavailable_reason
+from swarmlib import Swarm
+
+pytestmark = [pytest.mark.swarm]
+_why = unavailable_reason()
+if _why:
+    pytestmark.append(pytest.mark.skip(reason=_why))
+
+INT8_TOLERANCE = 0.03  # relative L2 error of a blockwise-int8 average
+NODE_ARGS = ["--host", "0.0.0.0", "--max-outer-steps", "3", "--wait-for-peers", "4"]
+
+
+def _rounds(dump_dir: Path) -> list[dict]:
+    return [torch.load(p, weights_only=True) for p in sorted(dump_dir.glob("*.pt"))]
+
+
+def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    num = sum(float((x - y).pow(2).sum()) for x, y in zip(a, b))
+    return (num / max(sum(float(y.pow(2).sum()) for y in b), 1e-30)) ** 0.5
+
+
+def check_rounds(dump_dir: Path) -> tuple[list[dict], list[dict]]:
+    """Every ok round applied the true weighted mean of its whole group's contributions (the same
+    bytes on every member that kept it); every other round applied the peer's own Δ.
+
+    A member may still report failure for a round others kept (its confirmation came too late):
+    it then applied its own Δ, never a wrong average. :returns: (ok rounds, failed rounds with a group).
+    """
+    rounds = _rounds(dump_dir)
+    assert rounds, f"no round was dumped in {dump_dir}"
+    contributions = {}  # (group, peer) -> that member's dump of the round
+    kept = defaultdict(list)  # group -> ok dumps
+    for r in rounds:
+        group = (r["outer_step"], tuple(sorted(r["group"])))
+        contributions[group, r["peer_id"]] = r
+        if r["ok"]:
+            kept[group].append(r)
+        else:
+            for applied, local in zip(r["applied"], r["local"]):
+                assert torch.equal(applied, local), f"failed round of {r['peer_id']} applied something else"
+    for group, oks in kept.items():
+        members = []
+        for peer in group[1]:
+            member = contributions.get((group, peer)) or next(
+                (r for (g, p), r in contributions.items() if p == peer and g[1] == group[1]), None)
+            assert member is not None, f"no dump of member {peer} of the round {group}"
+            members.append(member)
+        total = sum(m["weight"] for m in members)
+        mean = [sum(m["weight"] * m["local"][i] for m in members) / total for i in range(len(members[0]["local"]))]
+        for other in oks[1:]:
+            assert all(torch.equal(x, y) for x, y in zip(oks[0]["applied"], other["applied"])), f"{group}: members differ"
+        assert _rel(oks[0]["applied"], mean) < INT8_TOLERANCE, f"{group}: the average is not the true mean"
+    failed = [r for r in rounds if not r["ok"] and len(r["group"]) >= 2]
+    return [r for r in rounds if r["ok"]], failed
+
+
+def _reachability(node) -> dict:
+    events = node.events("reachability")
+    assert events, f"{node.name} did not check its reachability\n{node.output()[-2000:]}"
+    return events[-1]
+
+
+@pytest.fixture
+def net():
+    with nat_topology() as hosts:
+        yield hosts
+
+
+@pytest.mark.timeout(420)
+def test_nat_peers_detect_they_are_clients_and_average_exactly(tmp_path, net):
+    """(a) plain `join` behind NAT detects it, runs as a client and averages exactly with the
+    public peers; (d) a public host is detected as reachable and serves as a full peer."""
+    dumps = tmp_path / "dumps"
+    with Swarm(tmp_path, "nat-a", extra=[*NODE_ARGS, "--debug-dump-rounds", str(dumps)]) as swarm:
+        pub1 = swarm.start("pub1", wrap=net["pub1"].wrap(), timeout=150)
+        seed = dict(initial=pub1, initial_host=net["pub1"].address, wait_start=False)
+        pub2 = swarm.start("pub2", wrap=net["pub2"].wrap(), **seed)
+        nat1 = swarm.start("nat1", wrap=net["nat1"].wrap(), **seed)
+        nat2 = swarm.start("nat2", wrap=net["nat2"].wrap(), **seed)
+        for node in (pub1, pub2, nat1, nat2):
+            assert swarm.wait_exit(node, 360) == 0, node.output()[-3000:]
+
+        assert _reachability(pub2)["reachable"] is True  # (d)
+        assert all(r["reachability"] == "public" for r in pub2.outer_steps())
+        for node in (nat1, nat2):  # (a)
+            verdict = _reachability(node)
+            assert verdict["reachable"] is False, verdict
+            assert node.output().count("unreachable:") == 1, node.output()[-3000:]
+            assert all(r["reachability"] == "client" for r in node.outer_steps())
+
+        ok, failed = check_rounds(dumps)
+        assert not failed, [(r["peer_id"], r["reason"]) for r in failed]
+        for node in (nat1, nat2):
+            mine = [r for r in node.outer_steps() if r["round_ok"]]
+            assert len(mine) >= 2, node.outer_steps()
+            assert all(set(r["group"]) & {pub1.events("start")[0]["peer_id"], pub2.events("start")[0]["peer_id"]}
+                       for r in mine)
+        assert nat1.outer_steps()[-1]["eval_loss"] < nat1.events("eval")[0]["eval_loss"]
+
+
+@pytest.mark.timeout(480)
+def test_nat_peers_forced_public_never_keep_a_wrong_average(tmp_path, net):
+    """(b) two NATed hosts forced to --public: affected rounds are reported as failed, and no
+    peer continues with anything but the true group mean or its own Δ."""
+    dumps = tmp_path / "dumps"
+    with Swarm(tmp_path, "nat-b", extra=[*NODE_ARGS, "--debug-dump-rounds", str(dumps)]) as swarm:
+        pub1 = swarm.start("pub1", wrap=net["pub1"].wrap(), timeout=150)
+        seed = dict(initial=pub1, initial_host=net["pub1"].address, wait_start=False)
+        pub2 = swarm.start("pub2", wrap=net["pub2"].wrap(), **seed)
+        nat1 = swarm.start("nat1", "--public", wrap=net["nat1"].wrap(), **seed)
+        nat2 = swarm.start("nat2", "--public", wrap=net["nat2"].wrap(), **seed)
+        for node in (pub1, pub2, nat1, nat2):
+            assert swarm.wait_exit(node, 420) == 0, node.output()[-3000:]
+
+        ok, failed = check_rounds(dumps)
+        assert failed, "no round failed: the two NATed full peers never met in a group"
+        for node in (pub1, pub2, nat1, nat2):
+            records = node.outer_steps()
+            assert records and (records[-1]["synced_to"] or records[-1]["outer_step"]) == 3, (node.name, records)
+            reported = [r for r in records if not r["round_ok"] and r["group_size"] >= 2]
+            assert records[-1]["failed_rounds"] == len(reported)
+        assert sum(n.outer_steps()[-1]["failed_rounds"] for n in (pub1, pub2, nat1, nat2)) == len(failed)
+
+
+@pytest.mark.timeout(300)
+def test_only_clients_go_solo_with_one_warning(tmp_path, net):
+    """(c) a swarm of client peers (its only public member is a DHT bootstrap node, no trainer):
+    each goes solo at once, warns once, and keeps training."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    boot_log = tmp_path / "boot.log"
+    with open(boot_log, "w") as log:
+        boot = subprocess.Popen([*net["pub1"].wrap(), sys.executable, "-m", "hivemind.hivemind_cli.run_dht",
+                                 "--host_maddrs", "/ip4/0.0.0.0/tcp/31400", "--identity_path",
+                                 str(tmp_path / "boot.key")], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while "/p2p/" not in boot_log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        peer_id = boot_log.read_text().split("/p2p/")[1].split()[0]
+        boot_addr = f"/ip4/{net['pub1'].address}/tcp/31400/p2p/{peer_id}"
+        window = 20.0
+        with Swarm(tmp_path, "nat-c", extra=["--host", "0.0.0.0", "--max-outer-steps", "3", "--client-mode",
+                                             "--averaging-window", str(window), "--initial-peers", boot_addr]) as swarm:
+            nat1 = swarm.start("nat1", wrap=net["nat1"].wrap(), wait_start=False)
+            nat2 = swarm.start("nat2", wrap=net["nat2"].wrap(), wait_start=False)
+            for node in (nat1, nat2):
+                assert swarm.wait_exit(node, 240) == 0, node.output()[-3000:]
+                records = node.outer_steps()
+                assert [r["outer_step"] for r in records] == [1, 2, 3]
+                for r in records:
+                    assert r["group_size"] == 1 and not r["round_ok"] and "no public peer" in r["reason"], r
+                    assert r["averaging_s"] < window
+                assert node.output().count("no public peer in the swarm") == 1, node.output()[-3000:]
+                assert records[-1]["solo_rounds"] == 3 and records[-1]["failed_rounds"] == 0
+    finally:
+        os.killpg(boot.pid, signal.SIGKILL)  # with its DHT process and p2pd daemon
+        boot.wait(timeout=30)

@@ -1,0 +1,88 @@
+"""The dial-back check's wire parsing (untrusted input) and a real dial on 127.0.0.1.
+
+The NAT behaviour itself is tested end to end in tests/test_nat.py (network namespaces)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from hivemind.p2p import P2P
+
+from diloco_swarm.averaging.reachability import (
+    MAX_ADDRS,
+    Responder,
+    decode_verdict,
+    dial_back,
+    encode,
+    parse_request,
+    transport_addrs,
+)
+
+
+def req(body) -> bytes:
+    return json.dumps(body).encode()
+
+
+def test_transport_addrs_strip_peer_id_and_drop_relays():
+    addrs = ["/ip4/10.0.0.1/tcp/31337/p2p/QmX", "/ip4/10.0.0.1/tcp/31337/p2p/QmX", "/ip4/1.2.3.4/udp/5/quic",
+             "/ip4/1.2.3.4/tcp/1/p2p/QmR/p2p-circuit/p2p/QmX"]
+    assert transport_addrs(addrs) == ["/ip4/10.0.0.1/tcp/31337"]
+
+
+@pytest.mark.parametrize(
+    "payload, why",
+    [
+        (b"\xff\xfe", "not JSON"),
+        (req([]), "expected"),
+        (req({"maddrs": []}), "expected"),
+        (req({"maddrs": ["/ip4/1.2.3.4/tcp/1"] * (MAX_ADDRS + 1)}), "expected"),
+        (req({"maddrs": [5]}), "short string"),
+        (req({"maddrs": ["/ip4/1.2.3.4/tcp/" + "1" * 300]}), "short string"),
+        (req({"maddrs": ["hello"]}), "not a multiaddr"),
+        (req({"maddrs": ["/ip4/1.2.3.4/udp/1"]}), "only /ip4"),
+        (req({"maddrs": ["/ip4/1.2.3.4/tcp/1/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"]}), "only /ip4"),
+        (b"x" * 5000, "too large"),
+    ],
+)
+def test_bad_requests_are_refused_with_a_reason(payload, why):
+    with pytest.raises(ValueError, match=why):
+        parse_request(payload)
+
+
+def test_good_request_and_verdicts():
+    assert [str(m) for m in parse_request(req({"maddrs": ["/ip4/10.1.2.3/tcp/4000", "/ip6/::1/tcp/9"]}))] == [
+        "/ip4/10.1.2.3/tcp/4000", "/ip6/::1/tcp/9"]
+    assert decode_verdict(encode({"reachable": True, "conclusive": True, "reason": ""})) == (True, "")
+    assert decode_verdict(encode({"reachable": False, "conclusive": True, "reason": "no"})) == (False, "no")
+    assert decode_verdict(encode({"reachable": False, "conclusive": False, "reason": "busy"})) == (None, "busy")
+    with pytest.raises(ValueError):
+        decode_verdict(encode({"reachable": "yes"}))
+
+
+@pytest.mark.timeout(120)
+def test_dial_back_checks_the_peer_id_on_a_fresh_connection():
+    """A listening host is reachable; the same address under another peer id is not (the libp2p
+    handshake checks identity); a closed port is not. The responder rate-limits a repeat asker."""
+
+    async def scenario():
+        target = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        other = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            addrs = await target.get_visible_maddrs()
+            plain = [a.decapsulate(f"/p2p/{target.peer_id}") if "/p2p/" in str(a) else a for a in addrs]
+            assert (await dial_back(target.peer_id, plain))[0] is True
+            assert (await dial_back(other.peer_id, plain))[0] is False  # somebody else on that address
+            responder = Responder()
+            request = encode({"maddrs": [str(a) for a in plain]})
+            first = decode_verdict(await responder.answer(request, target.peer_id))
+            again = decode_verdict(await responder.answer(request, target.peer_id))
+            return first, again
+        finally:
+            await target.shutdown()
+            await other.shutdown()
+
+    first, again = asyncio.run(scenario())
+    assert first == (True, "")
+    assert again[0] is None and "too soon" in again[1]

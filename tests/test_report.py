@@ -1,0 +1,37 @@
+"""MetricsWriter: every line of the metrics file is valid JSON, whatever the numbers."""
+
+import json
+import math
+
+from diloco_swarm.node.report import MetricsWriter
+
+
+def refuse(constant):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def test_non_finite_floats_are_written_as_null_at_any_depth(tmp_path):
+    path = tmp_path / "sub" / "metrics.jsonl"
+    writer = MetricsWriter(path)
+    writer.write({"event": "outer_step", "loss": math.nan, "eval_loss": math.inf, "tokens": 7, "ok": True,
+                  "rejected_peers": {"QmPeer": {"norm": -math.inf, "why": "nan"}}, "group": [1.5, math.nan, None],
+                  "pair": (math.inf, 2.0)})
+    writer.write({"event": "eval", "eval_loss": 3.25})
+    writer.close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2
+    # strict parsing: Python's json would otherwise accept the non-standard NaN / Infinity tokens
+    first, second = (json.loads(line, parse_constant=refuse) for line in lines)
+    assert first["loss"] is None and first["eval_loss"] is None
+    assert first["rejected_peers"] == {"QmPeer": {"norm": None, "why": "nan"}}
+    assert first["group"] == [1.5, None, None]
+    assert first["pair"] == [None, 2.0]
+    assert first["tokens"] == 7 and first["ok"] is True and isinstance(first["time"], float)
+    assert second["eval_loss"] == 3.25
+
+
+def test_no_file_means_no_output(tmp_path):
+    writer = MetricsWriter(None)
+    writer.write({"event": "eval", "eval_loss": math.nan})
+    writer.close()
+    assert list(tmp_path.iterdir()) == []
