@@ -86,3 +86,19 @@ def test_dial_back_checks_the_peer_id_on_a_fresh_connection():
     first, again = asyncio.run(scenario())
     assert first == (True, "")
     assert again[0] is None and "too soon" in again[1]
+
+
+def test_a_host_without_p2pd_gets_one_clear_line(monkeypatch):
+    """hivemind's wheel bundles p2pd for Linux x86-64 only: elsewhere, without a daemon, say so."""
+    import platform
+
+    from diloco_swarm.dht import swarm
+
+    assert swarm.p2pd_problem() is None  # this machine runs it
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")
+    monkeypatch.setattr(swarm.os, "access", lambda *a: False)
+    problem = swarm.p2pd_problem()
+    assert problem and "Darwin arm64" in problem and "Linux x86-64" in problem and "docs/networking.md" in problem
+    with pytest.raises(swarm.SwarmError, match="p2pd"):
+        swarm.start_dht(initial_peers=[], host="127.0.0.1", port=0)

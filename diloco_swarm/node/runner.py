@@ -219,8 +219,12 @@ class Node:
             f"peer {self.peer_id} | run '{spec.run_id}' | model {spec.model} "
             f"({num_parameters(self.model) / 1e6:.2f}M params) on {self.device} | data {self.corpus.description}"
         )
-        self.status.log("to join from another machine: diloco-node join --run-id {} --initial-peers {}".format(
-            spec.run_id, " ".join(addrs) if addrs else "<this node's multiaddr>"))
+        if self.client_mode:  # nobody can dial a client: its addresses are useless to joiners
+            self.status.log("others cannot join through this node (it is a client); give them the address of a "
+                            "public peer, e.g. the one in your --initial-peers")
+        else:
+            self.status.log("to join from another machine: diloco-node join --run-id {} --initial-peers {}".format(
+                spec.run_id, " ".join(addrs) if addrs else "<this node's multiaddr>"))
         self.metrics.write(
             {
                 "event": "start",
