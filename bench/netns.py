@@ -11,13 +11,20 @@ between the first and the last outer-step record (start-up, data loading and the
 matchmaking excluded); *overall* is the last record's ``goodput`` (``inner_s / wall_s`` since start).
 
 ``tc netem`` (delay, loss) is probed: when the kernel lacks it, no latency is added and the
-report says so. Churn is not measured yet (a TODO in the report, never a made-up figure).
-If ``ip netns add`` is refused, the nodes run on 127.0.0.1 without any link limit and the report says so.
+report says so. If ``ip netns add`` is refused, the nodes run on 127.0.0.1 without any link limit
+and the report says so.
+
+Churn: the same nodes behind the same 100 Mbit/s links train for a fixed window twice, calm and
+under the seeded kill/restart schedule of ``bench/churn.py`` (:func:`bench.churn.churn_schedule`,
+carried out by :func:`bench.churn.run_once`: SIGKILL of a node's whole process tree, restart with
+the same state dir), and the report compares their compute utilization and goodput.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -27,42 +34,51 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import churn
+from bench.churn import read_events
 from bench.common import REPO, human_bytes, md_table
 
+# churn: a window of `duration` s, calm and churn (`labels`), with bench.churn's schedule generator at
+# the given cadence (`schedule`: kill every ± jitter s, back after down ± down_jitter s, none in the last
+# tail s). The full size's kills are spaced to its outer step (~40-60 s on the shared 2-core machine).
 SIZES = {
     "smoke": {"peers": 2, "model": "tiny", "H": 2, "seq_len": 32, "batch": 2, "outer_steps": 2,
-              "runs": [("100mbit", "100mbit", "fp16")], "max_bytes": 200_000, "timeout": 240, "probe_bytes": 1 << 20},
+              "runs": [("100mbit", "100mbit", "fp16")], "max_bytes": 200_000, "timeout": 240, "probe_bytes": 1 << 20,
+              "churn": {"rate": "100mbit", "compression": "fp16", "duration": 22.0, "labels": ("churn",),
+                        "schedule": {"every": 7.0, "jitter": 0.0, "down": 3.0, "down_jitter": 0.0, "tail": 8.0},
+                        "start_timeout": 180.0}},
     "quick": {"peers": 4, "model": "tiny", "H": 10, "seq_len": 64, "batch": 4, "outer_steps": 3,
               "runs": [("no limit", None, "int8"), ("100mbit", "100mbit", "int8")], "max_bytes": 1_000_000,
-              "timeout": 400},
+              "timeout": 400,
+              "churn": {"rate": "100mbit", "compression": "int8", "duration": 75.0, "labels": ("calm", "churn"),
+                        "schedule": {}, "start_timeout": 300.0, "keep_logs": True}},
     "full": {"peers": 4, "model": "small", "H": 5, "seq_len": 64, "batch": 4, "outer_steps": 4,
              "runs": [("no limit", None, "int8"), ("100mbit", "100mbit", "int8"), ("100mbit", "100mbit", "fp32")],
-             "max_bytes": 4_000_000, "timeout": 900},
+             "max_bytes": 4_000_000, "timeout": 900,
+             "churn": {"rate": "100mbit", "compression": "int8", "duration": 360.0, "labels": ("calm", "churn"),
+                       "schedule": {"every": 70.0, "jitter": 15.0, "down": 20.0, "down_jitter": 4.0, "tail": 40.0},
+                       "start_timeout": 600.0, "keep_logs": True}},
 }
 MATCHMAKING_S = 2.0
+# hivemind's Python-side DEBUG lines (failed pings, matchmaking) in the churn runs' node logs; p2pd stays quiet
+CHURN_NODE_ENV = {"HIVEMIND_LOGLEVEL": "DEBUG", "GOLOG_LOG_LEVEL": "error"}
+CHURN_LOGS = REPO / "bench" / "out" / "netns-churn-runs"
 AVERAGING_WINDOW_S = 60.0
 
 
-def _read_events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+def _node_args(cfg, compression: str) -> list[str]:
+    """The training and averaging flags every node of a size gets (host, ports, state and run id apart)."""
+    return ["--model", cfg["model"], "--inner-steps", str(cfg["H"]), "--seq-len", str(cfg["seq_len"]),
+            "--batch-size", str(cfg["batch"]), "--compression", compression,
+            "--matchmaking-time", str(MATCHMAKING_S), "--averaging-window", str(AVERAGING_WINDOW_S),
+            "--target-group-size", str(cfg["peers"]), "--max-dataset-bytes", str(cfg["max_bytes"]),
+            "--device", "cpu", "--threads", "1"]
 
 
 def _node_cmd(cfg, tag: str, compression: str, host: str, state: Path, metrics: Path, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "diloco_swarm", "join",
-            "--run-id", f"bench-netns-{tag}", "--host", host, "--model", cfg["model"],
-            "--inner-steps", str(cfg["H"]), "--seq-len", str(cfg["seq_len"]), "--batch-size", str(cfg["batch"]),
-            "--max-outer-steps", str(cfg["outer_steps"]), "--compression", compression,
-            "--matchmaking-time", str(MATCHMAKING_S), "--averaging-window", str(AVERAGING_WINDOW_S),
-            "--target-group-size", str(cfg["peers"]), "--max-dataset-bytes", str(cfg["max_bytes"]),
-            "--device", "cpu", "--threads", "1",
+            "--run-id", f"bench-netns-{tag}", "--host", host, *_node_args(cfg, compression),
+            "--max-outer-steps", str(cfg["outer_steps"]),
             "--state-dir", str(state), "--metrics-file", str(metrics),
             *(["--wait-for-peers", str(cfg["peers"])] if _join_supports("--wait-for-peers") else []), *extra]
 
@@ -74,7 +90,7 @@ def _join_supports(flag: str) -> bool:
     """Whether ``diloco-node join`` has ``flag`` (the CLI is evolving; ask its --help once)."""
     if not _HELP_CACHE:
         r = subprocess.run([sys.executable, "-m", "diloco_swarm", "join", "--help"], capture_output=True, text=True,
-                           cwd=REPO, timeout=120, env={**__import__("os").environ, "COLUMNS": "200"})
+                           cwd=REPO, timeout=120, env={**os.environ, "COLUMNS": "200"})
         _HELP_CACHE.append(r.stdout)
     return flag in _HELP_CACHE[0]
 
@@ -100,7 +116,7 @@ def _run_swarm(cfg, tag: str, compression: str, placements: list[tuple[list[str]
         while not maddrs:
             if procs[0].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the first node did not start:\n{(workdir / 'peer-0.log').read_text()[-3000:]}")
-            maddrs = next((e.get("maddrs") or [] for e in _read_events(metrics[0]) if e.get("event") == "start"), [])
+            maddrs = next((e.get("maddrs") or [] for e in read_events(metrics[0]) if e.get("event") == "start"), [])
             time.sleep(0.3)
         for i in range(1, n):
             start(i, ["--port", "0", "--initial-peers", maddrs[0]])
@@ -125,7 +141,7 @@ def _run_swarm(cfg, tag: str, compression: str, placements: list[tuple[list[str]
     after = counters() if counters else None
     peers = []
     for i in range(n):
-        events = _read_events(metrics[i])
+        events = read_events(metrics[i])
         steps = [e for e in events if e.get("event") == "outer_step"]
         # steady window: from the first outer step that averaged with the whole group to the last step
         full = [j for j, e in enumerate(steps) if e.get("group_size") == n and e.get("round_ok")]
@@ -163,8 +179,6 @@ def _run_swarm(cfg, tag: str, compression: str, placements: list[tuple[list[str]
 
 def _probe_link(peers: list[tuple[str, str]], total: int) -> dict[str, Any] | None:
     """RTT and one TCP stream's throughput from peer 1 to peer 0 through the hub (bench.netprobe)."""
-    import os
-
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     (ns0, addr0), (ns1, _) = peers[0], peers[1]
     server = subprocess.Popen(["ip", "netns", "exec", ns0, sys.executable, "-m", "bench.netprobe", "serve", addr0,
@@ -211,11 +225,54 @@ def run(size: str) -> dict[str, Any]:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         runs.append({"label": label, "rate": rate, "compression": compression, "link_probe": probe, **out})
+    churn_result = _run_churn(cfg, ok, qdiscs) if cfg.get("churn") else None
     from diloco_swarm.models import build_model, num_parameters
 
-    return {"config": {k: v for k, v in cfg.items() if k != "runs"}, "netns": ok, "netns_reason": why,
+    return {"config": {k: v for k, v in cfg.items() if k not in ("runs", "churn")}, "netns": ok, "netns_reason": why,
             "qdiscs": qdiscs, "matchmaking_time": MATCHMAKING_S, "averaging_window": AVERAGING_WINDOW_S,
-            "params": num_parameters(build_model(cfg["model"], seed=0)), "runs": runs}
+            "params": num_parameters(build_model(cfg["model"], seed=0)), "runs": runs, "churn": churn_result}
+
+
+def _run_churn(cfg, ok: bool, qdiscs: dict[str, bool]) -> dict[str, Any]:
+    """Calm vs churn for a fixed window behind the link limit, with bench.churn's schedule and runner."""
+    from bench.netutil import link_bytes, star_topology
+
+    cc = cfg["churn"]
+    rate = cc["rate"] if ok else None
+    if rate and not qdiscs["tbf"]:
+        raise RuntimeError("tc tbf is not available in this kernel")
+    names = [f"p{i}" for i in range(cfg["peers"])]
+    params = churn.schedule_params(**cc["schedule"])
+    schedule = churn.churn_schedule(churn.SEED, cc["duration"], names, **params)
+    print(f"[netns] churn schedule (seed {churn.SEED}): {schedule}", file=sys.stderr, flush=True)
+    runs = {}
+    for label in cc["labels"]:
+        workdir = Path(tempfile.mkdtemp(prefix=f"bench-netns-churn-{label}-"))
+        try:
+            with (star_topology(cfg["peers"], rate) if ok else contextlib.nullcontext(None)) as peers:
+                placements, counters = None, None
+                if peers:
+                    placements = {n: (["ip", "netns", "exec", ns], addr) for n, (ns, addr) in zip(names, peers)}
+
+                    def counters(peers=peers):
+                        return [link_bytes(ns, f"vp{i}") or (0, 0) for i, (ns, _) in enumerate(peers)]
+
+                runs[label] = churn.run_once(
+                    label, workdir, cc["duration"], schedule if label == "churn" else None,
+                    node_args=_node_args(cfg, cc["compression"]), placements=placements, names=names,
+                    run_id=f"bench-netns-{label}-{int(time.time())}", counters=counters,
+                    start_timeout=cc["start_timeout"], log_prefix="netns ", env=CHURN_NODE_ENV)
+        finally:
+            if cc.get("keep_logs"):  # the nodes' logs and metrics, for a look at what went wrong
+                dest = CHURN_LOGS / label
+                shutil.rmtree(dest, ignore_errors=True)
+                shutil.copytree(workdir, dest, ignore=shutil.ignore_patterns("*.pt", "*.key", "node.lock"))
+            if not os.environ.get("BENCH_KEEP_WORKDIR"):
+                shutil.rmtree(workdir, ignore_errors=True)
+            else:
+                print(f"[netns] kept {workdir}", file=sys.stderr, flush=True)
+    return {"rate": rate, "compression": cc["compression"], "duration_s": cc["duration"], "seed": churn.SEED,
+            "schedule_params": params, "schedule": schedule, "runs": runs}
 
 
 def _mean(xs):
@@ -294,6 +351,73 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
             if a and b:
                 md.append(f"\nSteady utilization with the {r['label']} limit is **{b / a:.2f}×** the unlimited one "
                           f"({r['compression']}, same run of the benchmark).\n")
-    md.append("\n### TODO: churn\n\nNot measured yet: utilization and loss while peers join and leave "
-              "(the churn benchmark comes with the churn work). No figure here on purpose.\n")
+    if result.get("churn"):
+        md.append(_render_churn(result, cfg))
+    else:
+        md.append("\n### With churn\n\nNot run at this size.\n")
+    return "\n".join(md)
+
+
+def _render_churn(result: dict[str, Any], cfg: dict[str, Any]) -> str:
+    ch = result["churn"]
+    runs = [ch["runs"][k] for k in ("calm", "churn") if k in ch["runs"]]
+    n, sp = cfg["peers"], ch["schedule_params"]
+    link = f"`tc tbf` {ch['rate']}" if ch["rate"] else "127.0.0.1, no link limit (no namespaces here)"
+    rows = []
+    for r in runs:
+        tx = _mean(x["tx"] for x in r["link_bytes_window"]) if r.get("link_bytes_window") else None
+        rows.append([
+            r["label"], link, ch["compression"],
+            f"{100 * r['utilization_overall']:.1f}%" if r["utilization_overall"] is not None else "–",
+            f"{100 * r['goodput_overall']:.1f}%" if r["goodput_overall"] is not None else "–",
+            f"{100 * r['window_utilization']:.1f}%" if r["window_utilization"] is not None else "–",
+            f"{100 * r['window_goodput']:.1f}%" if r["window_goodput"] is not None else "–",
+            r["outer_steps_in_window"], f"{r['verified_rounds']}/{r['rounds']}", r["state_syncs"],
+            churn.fmt(r["final_eval_loss_mean"]),
+            f"{human_bytes(tx)} ({8 * tx / r['measured_s'] / 1e6:.1f} Mbit/s)" if tx else "–",
+            ", ".join(f"{k} {v}" for k, v in r["leave_codes"].items()) or "–",
+        ])
+    md = [
+        "\n### With churn\n",
+        f"The same {n} nodes ({link} on every link, {ch['compression']}, the flags of the table above but "
+        f"no `--max-outer-steps`) train for a fixed window of {ch['duration_s']:.0f} s, counted from the "
+        f"moment all {n} have started training"
+        + (": **calm** (nobody fails), and **churn**" if "calm" in ch["runs"] else " (at this size only **churn**)")
+        + ": the seeded kill/restart "
+        f"schedule of `bench/churn.py` (`churn_schedule`, seed {ch['seed']}; `run_once` SIGKILLs the whole process "
+        f"tree of one node and restarts it with the same `--state-dir`, `--wait-for-peers 0` and every live "
+        f"peer's address as `--initial-peers`), here a kill every {sp['every']:.0f} ± {sp['jitter']:.0f} s and the "
+        f"node back {sp['down']:.0f} ± {sp['down_jitter']:.0f} s later"
+        + (f" (the cadence is set per size in `bench/netns.py`, to the pace of its outer steps; "
+           f"`python -m bench.churn` kills every {churn.KILL_EVERY_S:.0f} ± {churn.KILL_JITTER_S:.0f} s)"
+           if sp["every"] != churn.KILL_EVERY_S else "")
+        + f". A node that exits on its own inside the window is restarted {churn.RESTART_FAILED_AFTER_S:.0f} s later, "
+        "as a supervisor would (each such exit is listed below). Then every live node gets SIGINT. The nodes log "
+        "hivemind's Python-side DEBUG lines in both runs.\n",
+        "*Utilization* = inner-step seconds / wall seconds and *goodput* = inner seconds whose Δ was applied "
+        "(`inner_s − wasted_inner_s`) / wall seconds. *Process lives*: summed over every process life of every "
+        "node (its last `outer_step` record; launch to exit, start-up included; a peer that is down has no "
+        f"life). *Window × {n} slots*: the inner seconds the records place inside the window, over {n} × the "
+        "window (a peer that is down or restarting is an idle slot; the steps in progress when the window "
+        "ends are not counted in either run). *Rounds*: all nodes' records up to the window's end.\n",
+        md_table(["run", "link", "codec", "utilization (process lives)", "goodput (process lives)",
+                  f"utilization, window × {n} slots", f"goodput, window × {n} slots", "outer steps in window",
+                  "verified / all rounds", "state syncs", "final held-out loss, mean", "link tx per node in window",
+                  "graceful-leave exit codes"], rows),
+    ]
+    by = {r["label"]: r for r in runs}
+    if "calm" in by and "churn" in by:
+        def ratio(key):
+            a, b = by["calm"][key], by["churn"][key]
+            return f"{b / a:.2f}×" if a and b is not None else "–"
+
+        md.append(f"\nWith churn, compute utilization is **{ratio('utilization_overall')}** the calm run's over the "
+                  f"process lives and **{ratio('window_utilization')}** over the window's slots; goodput "
+                  f"{ratio('goodput_overall')} and {ratio('window_goodput')} (same invocation, same links).\n")
+    md.append("\n" + churn.syncs_md(runs) + "\n")
+    md.append(f"\nSchedule (seconds after the window starts):\n\n" + churn.schedule_md(ch["schedule"],
+                                                                                         by.get("churn", {}).get("actions", [])))
+    problems = [x for r in runs for x in churn.problems_md(r)]
+    if problems:
+        md.append("\nWhat went wrong in these two runs:\n\n" + "\n".join(problems) + "\n")
     return "\n".join(md)

@@ -36,7 +36,11 @@ def test_every_benchmark_runs_at_toy_size(tmp_path):
     wire = json.loads((out / "wire.smoke.json").read_text())
     assert all(r["all_ok"] for r in wire["rows"]), "an averaging round of the wire benchmark failed"
     assert (doc.parent / "bench-quality.png").stat().st_size > 0
-    assert "TODO: churn" in text
+    assert "### With churn" in text and "TODO" not in text
+    churn = json.loads((out / "netns.smoke.json").read_text())["churn"]["runs"]["churn"]
+    done = [(a["action"], a["peer"]) for a in churn["actions"]]
+    assert ("kill", "p1") in done or ("kill", "p0") in done, f"the churn schedule killed nobody: {done}"
+    assert any(a == "restart" for a, _ in done), f"the killed node was not restarted: {done}"
 
 
 @pytest.mark.timeout(60)

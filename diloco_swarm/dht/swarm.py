@@ -119,6 +119,9 @@ class StateDirLock:
             self._fd = -1
 
 
+BOOTSTRAP_ATTEMPTS = 2
+
+
 def start_dht(
     *,
     initial_peers: Sequence[str],
@@ -153,33 +156,45 @@ def start_dht(
             Multiaddr(a)
         except Exception:
             raise SwarmError(f"--announce: '{a}' is not a multiaddr (expected /ip4/PUBLIC_IP/tcp/PORT)")
-    try:
-        return DHT(
-            initial_peers=list(initial_peers),
-            start=True,
-            host_maddrs=listen_maddrs(host, port),
-            announce_maddrs=list(announce) or None,
-            identity_path=str(identity_path) if identity_path else None,
-            check_if_identity_free=False,  # the state dir lock already guarantees one user
-            client_mode=client_mode,
-            record_validators=list(record_validators),
-            use_relay=False,
-            use_auto_relay=False,
-        )
-    except Exception as e:
-        text = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        if "bootstrap" in text or "failed to connect" in text:
-            raise SwarmError(
-                "none of the --initial-peers answered (" + ", ".join(initial_peers) + "); check the addresses and "
-                "that those nodes are running, or omit --initial-peers to start a new swarm"
+    for attempt in range(BOOTSTRAP_ATTEMPTS if initial_peers else 1):
+        try:
+            return DHT(
+                initial_peers=list(initial_peers),
+                start=True,
+                host_maddrs=listen_maddrs(host, port),
+                announce_maddrs=list(announce) or None,
+                identity_path=str(identity_path) if identity_path else None,
+                check_if_identity_free=False,  # the state dir lock already guarantees one user
+                client_mode=client_mode,
+                record_validators=list(record_validators),
+                use_relay=False,
+                use_auto_relay=False,
             )
-        if "address already in use" in text:
-            raise SwarmError(f"port {port} is already in use; pick another with --port")
-        problem = p2pd_problem()
-        if problem is not None or "exec format error" in text.lower():
-            raise SwarmError(problem or f"hivemind's libp2p daemon (p2pd) cannot run on this host ({text}); "
-                             "see docs/networking.md")
-        raise SwarmError(f"could not start the DHT: {text}")
+        except Exception as e:
+            text = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            bootstrap_failed = "bootstrap" in text or "failed to connect" in text
+            if not bootstrap_failed or attempt + 1 == BOOTSTRAP_ATTEMPTS:
+                break
+            # hivemind pings the initial peers once, with a 3 s limit: a busy peer misses it
+            time.sleep(2.0)
+            for _ in range(20):  # the failed daemon may still hold our port
+                try:
+                    check_port_free(host, port)
+                    break
+                except SwarmError:
+                    time.sleep(0.5)
+    if bootstrap_failed:
+        raise SwarmError(
+            "none of the --initial-peers answered (" + ", ".join(initial_peers) + "); check the addresses and "
+            "that those nodes are running, or omit --initial-peers to start a new swarm"
+        )
+    if "address already in use" in text:
+        raise SwarmError(f"port {port} is already in use; pick another with --port")
+    problem = p2pd_problem()
+    if problem is not None or "exec format error" in text.lower():
+        raise SwarmError(problem or f"hivemind's libp2p daemon (p2pd) cannot run on this host ({text}); "
+                         "see docs/networking.md")
+    raise SwarmError(f"could not start the DHT: {text}")
 
 
 def visible_maddrs(dht: DHT) -> list[str]:

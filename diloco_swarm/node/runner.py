@@ -245,6 +245,8 @@ class Node:
         from diloco_swarm.dht.swarm import peer_ids_of
 
         cfg = self.cfg
+        if self.stop.requested:
+            return "unknown"
         if self.client_mode:
             self.status.log("client mode (--client-mode): this node dials out only; it averages through public "
                             "peers but reduces no parts and donates no state")
@@ -606,12 +608,18 @@ class Node:
         :raises NodeError, CheckpointError, SwarmError, SpecMismatch, DatasetError: user-facing problems.
         """
         from diloco_swarm.dht.records import read_peer_records
-        from diloco_swarm.dht.swarm import refresh_run_spec
+        from diloco_swarm.dht.swarm import SwarmError, refresh_run_spec
 
         self.stop.install()
         self.clock.started = time.monotonic()
         try:
-            self._setup()
+            try:
+                self._setup()
+            except SwarmError:
+                if self.stop.requested:  # Ctrl+C while starting: leave quietly, nothing was trained
+                    self.status.log("stopped during start-up")
+                    return
+                raise
             self._wait_for_peers()
             self._join_sync()
             initial_eval = evaluate(self.model, self.eval_set, self.device)
