@@ -229,3 +229,33 @@ def test_a_write_killed_midway_leaves_a_temp_file_that_the_next_start_removes(tm
     assert all((tmp_path / name).read_bytes() == data for name, data in unrelated.items())
     assert remove_stale_temp_files(tmp_path) == []
     assert remove_stale_temp_files(tmp_path / "no-such-dir") == []
+
+
+def test_resume_refuses_non_finite_inner_optimizer_state(tmp_path):
+    """A checkpoint whose bytes were flipped can still load; NaN in the inner AdamW state must be
+    refused at resume (one clear error), not trained on until "diverged"."""
+    from diloco_swarm.models import build_model
+    from diloco_swarm.node.checkpoint import CheckpointError
+    from diloco_swarm.node.config import NodeConfig
+    from diloco_swarm.node.outer import OuterOptimizer
+    from diloco_swarm.node.runner import Node
+    from diloco_swarm.spec import RunSpec
+
+    def fresh_node():
+        spec = RunSpec(run_id="resume-nan", model="tiny", dataset="python-stdlib", seq_len=32, inner_steps=2,
+                       inner_lr=1e-3, outer_lr=0.7, outer_momentum=0.9, compression="int8", seed=0)
+        node = Node(NodeConfig(spec=spec, state_dir=tmp_path))
+        node.params = list(build_model("tiny", seed=0).parameters())
+        node.outer = OuterOptimizer(node.params, lr=0.7, momentum=0.9)
+        node.inner_opt = torch.optim.AdamW(node.params, lr=1e-3)
+        return node
+
+    node = fresh_node()
+    sum(p.sum() for p in node.params).backward()
+    node.inner_opt.step()
+    ckpt = {"outer": node.outer.state_dict(), "inner_optimizer": node.inner_opt.state_dict(), "outer_step": 3,
+            "inner_steps_total": 6, "tokens_total": 100}
+    fresh_node()._restore(ckpt)  # a healthy checkpoint resumes
+    next(iter(ckpt["inner_optimizer"]["state"].values()))["exp_avg"][0] = float("nan")
+    with pytest.raises(CheckpointError, match="non-finite"):
+        fresh_node()._restore(ckpt)

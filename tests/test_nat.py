@@ -157,7 +157,7 @@ def test_only_clients_go_solo_with_one_warning(tmp_path, net):
                                  str(tmp_path / "boot.key")], stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 180
         while "/p2p/" not in boot_log.read_text() and time.monotonic() < deadline:
             time.sleep(0.5)
         peer_id = boot_log.read_text().split("/p2p/")[1].split()[0]

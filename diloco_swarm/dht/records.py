@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 RECORDS_FIELD = "peers"  # the DHT key is f"{run_id}_{RECORDS_FIELD}"
 KEY_FILE = "record.key"
+STORE_TIMEOUT_S = 10.0  # one DHT store of our record
 MAX_RECORDS = 1024  # a reader looks at most at this many subkeys
 
 # Bounds: generous for honest peers, small enough that a hostile record cannot hurt a reader.
@@ -325,7 +326,9 @@ class PeerRecordPublisher:
     def _store(self, value: dict | None, expiration: float) -> bool:
         # The DHT keeps the entry with the latest expiration: never go backwards.
         expiration = max(expiration, self._last_expiration + 1e-3)
-        ok = bool(self.dht.store(self.key, value, expiration_time=expiration, subkey=self.subkey))
+        # bounded: if the DHT process died (SIGTERM to the process group, OOM), a plain store() waits forever
+        future = self.dht.store(self.key, value, expiration_time=expiration, subkey=self.subkey, return_future=True)
+        ok = bool(future.result(timeout=STORE_TIMEOUT_S))
         if ok:
             self._last_expiration = expiration
             self.published += 1
@@ -342,7 +345,11 @@ class PeerRecordPublisher:
             thread.join(timeout=max(5.0, self.interval_s))
         if remove:
             try:
-                with self._lock:
+                if not self._lock.acquire(timeout=STORE_TIMEOUT_S + 1):
+                    raise TimeoutError("the publisher is stuck in a DHT call")
+                try:
                     self._store(None, get_dht_time() + 3 * self.interval_s)
+                finally:
+                    self._lock.release()
             except Exception as e:
                 logger.warning(f"could not remove this peer's record: {e!r}")

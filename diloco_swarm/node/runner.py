@@ -40,6 +40,7 @@ from diloco_swarm.node.report import MetricsWriter, StatusLine
 WARMUP_INNER_STEPS = 50
 MAX_DONOR_TRIES = 4
 STATE_CHUNK_TIMEOUT_S = 10.0
+REBOOTSTRAP_EVERY_S = 30.0  # a client alone re-dials its --initial-peers this often
 
 
 class NodeError(Exception):
@@ -130,6 +131,7 @@ class Node:
         self.client_mode = config.client_mode  # may switch on at start when we are unreachable
         self.reachability = "client" if config.client_mode else "unverified"  # public | unverified | client
         self._warned_no_public = False
+        self._last_rebootstrap = 0.0
         self._state_lock = threading.Lock()  # θ_global is read by the donation thread
 
     # ------------------------------------------------------------------ setup
@@ -292,7 +294,9 @@ class Node:
                 f"checkpoint {checkpoint_path(self.cfg.state_dir)} does not fit this model ({e}); "
                 "move it away to start fresh"
             ) from None
-        if not all(torch.isfinite(t).all() for t in self.outer.theta + self.outer.momentum_buffers()):
+        inner_state = [v for state in self.inner_opt.state.values() for v in state.values()
+                       if torch.is_tensor(v) and v.is_floating_point()]
+        if not all(torch.isfinite(t).all() for t in self.outer.theta + self.outer.momentum_buffers() + inner_state):
             raise CheckpointError(
                 f"checkpoint {checkpoint_path(self.cfg.state_dir)} holds non-finite values; move it away to start "
                 f"fresh, or restore {self.cfg.state_dir / 'checkpoint.prev.pt'}"
@@ -469,8 +473,8 @@ class Node:
 
     def _reconcile(self, gathered: dict[str, Any], mine: tuple[int, str]) -> None:
         """After a round: if the group's members started it from different θ_global, the
-        members not holding the canonical one (newest outer step, then most members, then
-        digest order) re-sync from one that does; and a peer more than one outer step behind
+        members not holding the canonical one (among states a member can donate: newest outer
+        step, then most members, then digest order) re-sync from one that does; and a peer more than one outer step behind
         the swarm's newest re-syncs too (lagging peer)."""
         entries: dict[str, tuple[int, str]] = {}
         for peer, meta in gathered.items():
@@ -479,14 +483,17 @@ class Node:
             ):
                 entries[peer] = (meta["outer_step"], meta["theta_digest"])
         entries[self.peer_id] = mine
+        donors = self.averager.donors()
         if len(set(entries.values())) > 1:
-            votes = Counter(entries.values())
+            # Only a state some member can donate may win: a client that trained alone for a while
+            # has the newest outer step, but nobody can download it (and it is one peer's history).
+            donatable = {e for p, e in entries.items() if p in donors or (p == self.peer_id and not self.client_mode)}
+            votes = Counter(e for e in entries.values() if e in donatable or not donatable)
             canonical = max(votes, key=lambda e: (e[0], votes[e], e[1]))
             if mine != canonical:
                 holders = [p for p, e in entries.items() if e == canonical]
                 self._sync_state(min_step=canonical[0] + 1, reason="diverged", candidates=holders, attempts=6)
                 return
-        donors = self.averager.donors()
         if donors and max(donors.values()) > self.outer_step + 1:
             self._sync_state(min_step=int(max(donors.values())), reason="lagging")
 
@@ -575,7 +582,16 @@ class Node:
         if not self.client_mode or self.averager.donors():
             return True
         records = read_peer_records(self.dht, self.spec.run_id)
-        return any(p != self.peer_id and r.reachability != "client" for p, r in records.items())
+        if any(p != self.peer_id and r.reachability != "client" for p, r in records.items()):
+            return True
+        now = time.monotonic()
+        if self.cfg.initial_peers and now - self._last_rebootstrap > REBOOTSTRAP_EVERY_S:
+            # the public peers may be back (restarted at the same address): dial them again
+            self._last_rebootstrap = now
+            with contextlib.suppress(Exception):
+                self.dht.run_coroutine(_rebootstrap(self.cfg.initial_peers))
+            return bool(self.averager.donors())
+        return False
 
     def _average(self, delta: list[torch.Tensor], tokens: int, theta_digest: str):
         from diloco_swarm.averaging.averager import RoundResult
@@ -642,7 +658,8 @@ class Node:
                 if not all(torch.isfinite(d).all() for d in delta):
                     raise Diverged(
                         f"training diverged at outer step {self.outer_step}: the pseudo-gradient has non-finite "
-                        f"values; the last good checkpoint is kept; lower --inner-lr and restart"
+                        f"values; the last good checkpoint is kept. If it happens again after a restart, the run's "
+                        f"--inner-lr is too high for this model: start a new run (another --run-id) with a lower one"
                     )
                 t0 = time.monotonic()
                 self.metrics.write({"event": "averaging_start", "peer_id": self.peer_id, "outer_step": self.outer_step})
@@ -750,12 +767,19 @@ class _rebootstrap:
         self.initial_peers = list(initial_peers)
 
     async def __call__(self, _dht, node) -> None:
+        import asyncio
+
         from hivemind.p2p import PeerID
         from hivemind.utils.multiaddr import Multiaddr
 
         for addr in self.initial_peers:
-            peer_id = PeerID.from_base58(Multiaddr(addr).value_for_protocol("p2p"))
-            await node.protocol.call_ping(peer_id)
+            try:
+                maddr = Multiaddr(addr)
+                peer_id = PeerID.from_base58(maddr.value_for_protocol("p2p"))
+                await asyncio.wait_for(node.p2p._client.connect(peer_id, [maddr.decapsulate(f"/p2p/{peer_id}")]), 5)
+                await asyncio.wait_for(node.protocol.call_ping(peer_id), 5)
+            except Exception:
+                continue  # that peer is still away; try the others
 
 
 def _theta_digest(theta: list[torch.Tensor]) -> str:
