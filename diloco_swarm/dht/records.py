@@ -326,6 +326,8 @@ class PeerRecordPublisher:
     def _store(self, value: dict | None, expiration: float) -> bool:
         # The DHT keeps the entry with the latest expiration: never go backwards.
         expiration = max(expiration, self._last_expiration + 1e-3)
+        if not self.dht.is_alive():
+            raise RuntimeError("the DHT process is gone")
         # bounded: if the DHT process died (SIGTERM to the process group, OOM), a plain store() waits forever
         future = self.dht.store(self.key, value, expiration_time=expiration, subkey=self.subkey, return_future=True)
         ok = bool(future.result(timeout=STORE_TIMEOUT_S))

@@ -752,7 +752,7 @@ class Node:
         if self.records is not None:
             self.records.stop(remove=False)
         for part in (self.averager, self.dht):
-            if part is not None:
+            if part is not None and part.is_alive():  # a SIGTERM to our process group may have ended it
                 with contextlib.suppress(Exception):
                     part.shutdown()
         self.metrics.close()
