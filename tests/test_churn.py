@@ -200,7 +200,9 @@ def test_sigint_leaves_cleanly(tmp_path):
         code = swarm.wait_exit(node, 30)
         seconds = time.monotonic() - t0
         print(f"double SIGINT: exit {code} in {seconds:.1f}s")
-        assert code in (0, 130), node.output()[-3000:]
+        # 130 from our handler, or killed by the SIGINT itself if it lands during interpreter exit
+        # (Python restores the default handler then); a shell reports both as 130
+        assert code in (0, 130, -signal.SIGINT), node.output()[-3000:]
         assert seconds <= 5.0, seconds
         load_checkpoint(node)  # still loadable
 

@@ -80,6 +80,7 @@ class RoundResult:
     group_size: int  # 1 = no group (solo round)
     reason: str = ""
     group_peer_ids: list[str] = field(default_factory=list)
+    group_id: str = ""  # hivemind's group id (hex): the same for every member of the round
     gathered: dict[str, Any] = field(default_factory=dict)  # peer id -> its metadata
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -316,6 +317,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             ok=False,
             group_size=max(1, len(stats.group_peer_ids)),
             group_peer_ids=stats.group_peer_ids,
+            group_id=stats.group_id,
             gathered=gathered,
             bytes_sent=stats.bytes_sent,
             bytes_received=stats.bytes_received,

@@ -571,9 +571,9 @@ class Node:
         """Test-only (hidden ``--debug-dump-rounds``): what we contributed and what we applied."""
         self.cfg.debug_dump_rounds.mkdir(parents=True, exist_ok=True)
         torch.save({"outer_step": self.outer_step, "peer_id": self.peer_id, "ok": result.ok, "weight": tokens,
-                    "group": result.group_peer_ids, "reason": result.reason,
+                    "group": result.group_peer_ids, "group_id": result.group_id, "reason": result.reason,
                     "local": [d.detach().cpu().clone() for d in local], "applied": [a.detach().cpu().clone() for a in applied]},
-                   self.cfg.debug_dump_rounds / f"{self.outer_step}-{self.peer_id}.pt")
+                   self.cfg.debug_dump_rounds / f"{self.outer_step}-{self.peer_id}-{result.group_id[:12] or 'solo'}.pt")
 
     def _public_peer_online(self) -> bool:
         """Whether a group can form for us: always for a full peer; a client needs a public peer."""
