@@ -140,7 +140,7 @@ def test_nat_peers_forced_public_never_keep_a_wrong_average(tmp_path, net):
 
 @pytest.mark.timeout(300)
 def test_only_clients_go_solo_with_one_warning(tmp_path, net):
-    """(c) a swarm of client peers (its only public member is a DHT bootstrap node, no trainer):
+    """(c) a swarm of client peers (its only public member is a plain DHT node, no trainer):
     each goes solo at once, warns once, and keeps training."""
     import os
     import signal
@@ -150,9 +150,11 @@ def test_only_clients_go_solo_with_one_warning(tmp_path, net):
 
     boot_log = tmp_path / "boot.log"
     with open(boot_log, "w") as log:
-        boot = subprocess.Popen([*net["pub1"].wrap(), sys.executable, "-m", "hivemind.hivemind_cli.run_dht",
-                                 "--host_maddrs", "/ip4/0.0.0.0/tcp/31400", "--identity_path",
-                                 str(tmp_path / "boot.key")], stdout=log, stderr=subprocess.STDOUT,
+        # a plain DHT node, no trainer (hivemind.DHT through our start_dht, relays off)
+        script = ("import time; from diloco_swarm.dht.swarm import start_dht; "
+                  "dht = start_dht(initial_peers=[], host='0.0.0.0', port=31400); "
+                  "print(*dht.get_visible_maddrs(latest=True), flush=True); time.sleep(3600)")
+        boot = subprocess.Popen([*net["pub1"].wrap(), sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.monotonic() + 180
