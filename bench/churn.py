@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-# The JSON objects of a node's metrics file, a torn last line skipped (the demo's reader: one definition).
-from diloco_swarm.cli.demo import _read_events as read_events
+from bench.procs import pids_mentioning, process_tree
+from diloco_swarm.node.report import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "bench" / "out"
@@ -88,51 +88,6 @@ def noteworthy(line: str) -> bool:
     return bool(_NOTE.search(line)) and not _STATUS.match(line) and not _TRACE.match(line)
 
 
-# ------------------------------------------------------------------------------ processes
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its live descendants, parents first (psutil if installed, else /proc)."""
-    try:
-        import psutil  # type: ignore
-
-        try:
-            p = psutil.Process(pid)
-            return [pid] + [c.pid for c in p.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-    except ImportError:
-        pass
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    tree, i = [pid], 0
-    while i < len(tree):
-        tree.extend(children.get(tree[i], []))
-        i += 1
-    return tree
-
-
-def pids_mentioning(text: str) -> list[int]:
-    """Live processes whose command line contains ``text`` (our run directory: only ours)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            out.append(int(entry.name))
-    return out
-
-
 @dataclass
 class Life:
     """One process lifetime of a node (a restart starts a new one)."""
@@ -154,7 +109,7 @@ class Node:
     handles: list = field(default_factory=list)
 
     def events(self, kind: str | None = None) -> list[dict]:
-        return [e for e in read_events(self.metrics) if kind is None or e.get("event") == kind]
+        return read_metrics(self.metrics, kind)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import churn
-from bench.churn import read_events
+from diloco_swarm.node.report import read_metrics
 from bench.common import REPO, human_bytes, md_table
 
 # churn: a window of `duration` s, calm and churn (`labels`), with bench.churn's schedule generator at
@@ -116,7 +116,7 @@ def _run_swarm(cfg, tag: str, compression: str, placements: list[tuple[list[str]
         while not maddrs:
             if procs[0].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the first node did not start:\n{(workdir / 'peer-0.log').read_text()[-3000:]}")
-            maddrs = next((e.get("maddrs") or [] for e in read_events(metrics[0]) if e.get("event") == "start"), [])
+            maddrs = next((e.get("maddrs") or [] for e in read_metrics(metrics[0]) if e.get("event") == "start"), [])
             time.sleep(0.3)
         for i in range(1, n):
             start(i, ["--port", "0", "--initial-peers", maddrs[0]])
@@ -141,7 +141,7 @@ def _run_swarm(cfg, tag: str, compression: str, placements: list[tuple[list[str]
     after = counters() if counters else None
     peers = []
     for i in range(n):
-        events = read_events(metrics[i])
+        events = read_metrics(metrics[i])
         steps = [e for e in events if e.get("event") == "outer_step"]
         # steady window: from the first outer step that averaged with the whole group to the last step
         full = [j for j, e in enumerate(steps) if e.get("group_size") == n and e.get("round_ok")]

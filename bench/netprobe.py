@@ -29,16 +29,22 @@ def serve(host: str, port: int) -> None:
     for _ in range(PINGS):
         conn.sendall(conn.recv(1))
     (total,) = struct.unpack("<Q", _recv_exact(conn, 8))
-    buf = bytearray(1 << 20)
+    drain(conn, total)
+    conn.sendall(b"k")
+    conn.close()
+    srv.close()
+
+
+def drain(conn: socket.socket, total: int, chunk: int = 1 << 20) -> int:
+    """Receive and discard up to ``total`` bytes (fewer if the sender closes); returns the count."""
+    buf = memoryview(bytearray(chunk))
     got = 0
     while got < total:
         n = conn.recv_into(buf)
         if n == 0:
             break
         got += n
-    conn.sendall(b"k")
-    conn.close()
-    srv.close()
+    return got
 
 
 def _recv_exact(conn, n: int) -> bytes:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import human_bytes, human_count, md_table, median
+from bench.netprobe import drain
 
 SIZES = {
     "smoke": {"peers": [2], "values": [100_000], "compressions": ["int8"], "rounds": {100_000: 1},
@@ -42,14 +43,7 @@ def _tcp_receiver(port_q, done_q, total: int) -> None:
     srv.listen(1)
     port_q.put(srv.getsockname()[1])
     conn, _ = srv.accept()
-    buf = bytearray(4 << 20)
-    view = memoryview(buf)
-    got = 0
-    while got < total:
-        n = conn.recv_into(view)
-        if n == 0:
-            break
-        got += n
+    got = drain(conn, total, chunk=4 << 20)
     done_q.put((time.time(), got))
     conn.sendall(b"k")
     conn.close()

@@ -15,16 +15,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench.netutil import NetnsUnavailable, netns_check, sh  # noqa: E402
+from bench.netutil import NetnsUnavailable, netns_check, sh
 
 PUBLIC = {"pub1": "10.77.0.1", "pub2": "10.77.0.2"}
 HOMES = {"nat1": ("10.77.0.11", "192.168.11"), "nat2": ("10.77.0.12", "192.168.12")}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,6 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from bench.procs import process_tree
+from diloco_swarm.node.report import read_metrics
 
 # Small and fast: tiny model, short sequences, a 300 KB slice of the standard library.
 FAST_ARGS = [
@@ -40,17 +42,7 @@ class NodeProc:
     log_handles: list = field(default_factory=list)
 
     def events(self, kind: str | None = None) -> list[dict]:
-        if not self.metrics.exists():
-            return []
-        out = []
-        for line in self.metrics.read_text().splitlines():
-            try:
-                e = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if kind is None or e.get("event") == kind:
-                out.append(e)
-        return out
+        return read_metrics(self.metrics, kind)
 
     def outer_steps(self) -> list[dict]:
         return self.events("outer_step")
@@ -157,25 +149,6 @@ def relative_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 # --- process trees (churn tests) -------------------------------------------------------------
 # A node is several processes: the main one, forked hivemind DHT and averager processes, and a
 # p2pd daemon. A crash of the whole peer (machine down, container killed) kills all of them.
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its live descendants (read from /proc), parents first."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    tree, i = [pid], 0
-    while i < len(tree):
-        tree.extend(children.get(tree[i], []))
-        i += 1
-    return tree
 
 
 def kill_tree(node: NodeProc) -> list[int]:

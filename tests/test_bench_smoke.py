@@ -8,17 +8,11 @@ docs/benchmarks.md and bench/out/ are never touched.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # bench/ is a top-level folder, not part of the installed package
-
-from bench import NAMES  # noqa: E402
-from bench.cli import main  # noqa: E402
+from bench import NAMES  # bench/ is importable through pytest's pythonpath (pyproject.toml)
+from bench.cli import main
 
 
 @pytest.mark.swarm

@@ -556,3 +556,54 @@ def test_sigkill_of_main_process_only_allows_restart(tmp_path):
                         os.kill(pid, signal.SIGKILL)
                 except (FileNotFoundError, ProcessLookupError):
                     pass
+
+
+# ---------------------------------------------------------------------------------- restart without --initial-peers
+@pytest.mark.timeout(900)
+def test_restarted_first_node_rejoins_through_the_peers_it_saw(tmp_path):
+    """The first node of a run has no --initial-peers. Restarted, it dials the peers it saw
+    (state_dir/peers.json) and averages with them again, instead of starting a second swarm; a
+    node whose --initial-peers are gone falls back to them too; with all of them gone, a node
+    says so and starts a new swarm."""
+    import json
+
+    with ChurnSwarm(tmp_path, "rejoin", extra=["--wait-for-peers", "2"]) as swarm:
+        a = swarm.start("a", timeout=START_S)
+        b = swarm.start("b", initial=a, timeout=START_S)
+        known = a.state_dir / "peers.json"
+        swarm.wait_alive(lambda: known.exists() and peer_id(b) in json.loads(known.read_text())["peers"],
+                         START_S + 2 * ROUND_S, "A remembers B", (a, b))
+        code, _ = swarm.leave(a)
+        assert code == 0, a.output()[-3000:]
+
+        t_restart = time.time()
+        swarm.start("a", *NO_START_BARRIER, timeout=START_S)  # no --initial-peers
+        assert "rejoined the swarm through them" in a.output(), a.output()[-3000:]
+        rounds = swarm.wait_alive(lambda: [r for r in records_after(a, t_restart) if r["round_ok"]],
+                                  2 * ROUND_S, "A averages with B again", (a, b))
+        print(summary(a, 6))
+        assert peer_id(b) in rounds[0]["group"], rounds[0]
+
+        # B restarted from its shell history: --initial-peers is A's old address (A now listens on
+        # another port). B falls back to the peers it saw, and finds A there.
+        b_known = b.state_dir / "peers.json"
+        swarm.wait_alive(lambda: last_maddr(a) in json.loads(b_known.read_text())["peers"].get(peer_id(a), {}).get(
+            "maddrs", []), ROUND_S, "B remembers A's new address", (a, b))
+        code, _ = swarm.leave(b)
+        assert code == 0, b.output()[-3000:]
+        t_restart = time.time()
+        swarm.start("b", "--initial-peers", a.events("start")[0]["maddrs"][0], *NO_START_BARRIER, timeout=START_S)
+        assert "none of the --initial-peers answered; dialing" in b.output(), b.output()[-3000:]
+        rounds = swarm.wait_alive(lambda: [r for r in records_after(b, t_restart) if r["round_ok"]],
+                                  2 * ROUND_S, "B averages with A again", (a, b))
+        assert peer_id(a) in rounds[0]["group"], rounds[0]
+        swarm.leave_all()
+
+        # Nobody of the run is left: a restart says so and starts a new swarm.
+        assert "none of them answered" not in a.output()
+        t_alone = time.time()
+        swarm.start("a", *NO_START_BARRIER, "--averaging-window", "6", timeout=START_S)
+        assert "none of them answered; starting a new swarm" in a.output(), a.output()[-3000:]
+        swarm.wait_alive(lambda: records_after(a, t_alone), ROUND_S, "A trains alone", (a,))
+        code, _ = swarm.leave(a)
+        assert code == 0, a.output()[-3000:]

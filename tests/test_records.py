@@ -68,6 +68,10 @@ def test_schema_is_strict_and_bounded():
         {"peer_id": "<script>"},
         {"loss": float("nan")},
         {"last_round_ok": 1},
+        {"maddrs": ["/ip4/1.2.3.4/tcp/1/p2p/" + "x" * 300]},  # one address too long
+        {"maddrs": ["/ip4/1.2.3.4/tcp/1"] * 9},  # too many addresses
+        {"maddrs": [1]},
+        {"maddrs": "/ip4/1.2.3.4/tcp/1"},  # a string, not a list
     ]
     for over in bad:
         with pytest.raises(ValueError):
@@ -86,6 +90,9 @@ def test_normalize_snapshot_coerces_clamps_and_drops():
     assert out["loss"] is None and out["eval_loss"] is None
     assert out["goodput"] == 1.0 and out["bytes_sent"] == 0 and out["tokens_total"] == 0
     assert len(out["name"]) == 64 and "junk" not in out and out["updated"] == 1234.5
+    assert out["maddrs"] == []  # a snapshot without addresses (a client)
+    many = normalize_snapshot(snapshot(maddrs=["/ip4/1.2.3.4/tcp/1"] * 20 + ["x" * 300]), now=1.0)["maddrs"]
+    assert many == ["/ip4/1.2.3.4/tcp/1"] * 8
     # exactly what the DHT's SchemaValidator accepts: parsing changes nothing
     assert PeerRecord.parse_obj(out).dict() == out
 
@@ -200,7 +207,8 @@ def test_malformed_records_are_rejected_and_never_crash_readers(swarm):
     # Wrong types under B's own (validly signed) subkey, a plain value instead of the dictionary:
     # honest nodes refuse them (C, without the schema validator, may keep them: readers must cope).
     bad_values = [({**snapshot("PeerB"), "outer_step": "many"}, own_b), ({**snapshot("PeerB"), "tokens_per_s": 5}, own_b),
-                  ({**snapshot("PeerB"), "name": "x" * 1000}, own_b), (123, None)]
+                  ({**snapshot("PeerB"), "name": "x" * 1000}, own_b),
+                  ({**snapshot("PeerB"), "maddrs": ["/ip4/10.0.0.1/tcp/1"] * 1000}, own_b), (123, None)]
     for value, subkey in bad_values:
         swarm.b.store(key, value, expiration_time=expiration, subkey=subkey)
     for reader in (swarm.a, swarm.b):

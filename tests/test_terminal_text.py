@@ -43,3 +43,17 @@ def test_error_lines_drop_control_characters(capsys):
     assert err.count("\n") == 1 and "\x1b" not in err and "\u202e" not in err
     assert "[bold red]x[/]" in err
     assert code.exit_code == 2
+
+
+def test_status_table_at_80_columns_keeps_reach():
+    rows = [row(name="alice", reachability="client", failed_rounds=2, last_round_ok=False),
+            row(name="bob", reachability="unverified", peer_id="QmXrYYRZm9dFWsiVF8eeJst9kbbLM8ZwKnKbb1dS2U4Hkr")]
+    out = io.StringIO()
+    Console(file=out, width=80, force_terminal=False, color_system=None).print(render_table(rows, "my-run", 80))
+    lines = [line for line in out.getvalue().splitlines() if line.strip()]
+    assert "reach" in lines[1] and "device" not in lines[1], lines
+    assert len(lines) == 7, lines  # title, header, rule, per peer: its name and row, then its short id
+    assert lines[3].split()[0] == "alice" and lines[3].rstrip().endswith("client"), lines
+    assert lines[5].split()[0] == "bob" and lines[5].rstrip().endswith("unverified"), lines
+    assert "failed (2 in all)" in lines[3], lines
+    assert all(len(line) <= 80 for line in lines)

@@ -91,6 +91,18 @@ class RoundResult:
     agreed_peers: int = 0  # members (besides us) whose published digest matched ours
 
 
+def _tensor_from_parts(parts: list) -> torch.Tensor:
+    """One tensor of a state stream from its chunks (hivemind's ``combine_from_streaming``).
+
+    :raises ValueError: the chunks do not make a whole tensor: the stream was cut (a donor that left
+        mid-transfer) or the donor sent garbage. One line, instead of torch's reshape error.
+    """
+    try:
+        return deserialize_torch_tensor(combine_from_streaming(parts))
+    except Exception:
+        raise ValueError("a tensor in the state stream is incomplete or malformed (did the donor leave mid-transfer?)") from None
+
+
 class PseudoGradientAverager(DecentralizedAverager):
     """``hivemind.averaging.DecentralizedAverager`` that averages pseudo-gradients verifiably.
 
@@ -229,11 +241,11 @@ class PseudoGradientAverager(DecentralizedAverager):
                     if message.metadata and metadata is None:
                         metadata = self.serializer.loads(message.metadata)
                     if message.tensor_part.dtype and parts:
-                        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                        tensors.append(_tensor_from_parts(parts))
                         parts = []
                     parts.append(message.tensor_part)
                 if parts:
-                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    tensors.append(_tensor_from_parts(parts))
                 return metadata, tensors, received
 
             future.set_result(await asyncio.wait_for(fetch(), timeout=4 * timeout))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+from diloco_swarm.node.report import read_metrics
 
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 60.0  # a node's graceful stop: leave the swarm, keep the checkpoint of its last outer step
@@ -29,18 +30,6 @@ def node_command(*args: str) -> list[str]:
 def _pump(stream, prefix: str) -> None:
     for line in iter(stream.readline, ""):
         print(f"{prefix} {line.rstrip()}", file=sys.stderr, flush=True)
-
-
-def _read_events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return events
 
 
 def say(console: Console, line: str) -> None:
@@ -148,7 +137,7 @@ def run_demo(*, peers: int, outer_steps: int, inner_steps: int, port: int, workd
                 say(console, "demo: the first node did not start in time")
                 stop_nodes(procs, console)
                 return 2
-            maddrs = next((e["maddrs"] for e in _read_events(metrics[0]) if e.get("event") == "start"), [])
+            maddrs = next((e["maddrs"] for e in read_metrics(metrics[0]) if e.get("event") == "start"), [])
             time.sleep(0.3)
         say(console, f"demo: watch it with: diloco-node status --run-id {run_id} --initial-peers {maddrs[0]}")
         for i in range(1, peers):
@@ -169,7 +158,7 @@ def run_demo(*, peers: int, outer_steps: int, inner_steps: int, port: int, workd
     for col in ("peer", "exit", "outer steps", "averaged rounds", "first eval loss", "last eval loss"):
         table.add_column(col)
     for i, code in enumerate(codes):
-        events = _read_events(metrics[i])
+        events = read_metrics(metrics[i])
         steps = [e for e in events if e.get("event") == "outer_step"]
         evals = [e["eval_loss"] for e in events if e.get("eval_loss") is not None]
         table.add_row(

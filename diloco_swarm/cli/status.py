@@ -83,7 +83,8 @@ def _f(value: Any, digits: int = 3) -> str:
 
 
 def render_table(rows: list[dict[str, Any]], run_id: str, width: int = 120) -> Table:
-    """The peer table; below 110 columns it leaves out reach, goodput and uptime to stay readable."""
+    """The peer table; below 110 columns it leaves out device, goodput and uptime to stay readable
+    (reach stays: it says who can average with whom)."""
     from rich import box
 
     from diloco_swarm.dashboard.render import fmt_duration, fmt_si, short_id
@@ -93,14 +94,16 @@ def render_table(rows: list[dict[str, Any]], run_id: str, width: int = 120) -> T
                   pad_edge=False, padding=(0, 1))
     table.add_column("peer", min_width=14, overflow="fold")
     table.add_column("state", no_wrap=True)
-    table.add_column("device", min_width=6, overflow="fold")
+    if wide:
+        table.add_column("device", min_width=6, overflow="fold")
     table.add_column("step", justify="right", no_wrap=True)
     table.add_column("loss", justify="right", no_wrap=True)
     table.add_column("tok/s", justify="right", no_wrap=True)
     table.add_column("last round", no_wrap=True)
     if wide:
         table.add_column("goodput", justify="right", no_wrap=True)
-        table.add_column("reach", no_wrap=True)
+    table.add_column("reach", no_wrap=True)
+    if wide:
         table.add_column("uptime", justify="right", no_wrap=True)
     for r in rows:
         # Every string here comes from another peer: printable() drops terminal control characters,
@@ -114,12 +117,16 @@ def render_table(rows: list[dict[str, Any]], run_id: str, width: int = 120) -> T
         else:
             rnd = Text("solo" if r["last_round_group_size"] <= 1 else f"{r['last_round_group_size']} peers ok")
         if r["failed_rounds"]:
-            rnd.append(f" ({r['failed_rounds']} failed)", style="red")
+            rnd.append(f" ({r['failed_rounds']} in all)" if r["last_round_ok"] is False else f" ({r['failed_rounds']} failed)",
+                       style="red")
         state = Text(r["state"], style="green" if r["state"] == "online" else "yellow")
-        cells = [peer, state, Text(printable(f"{r['device']} {r['precision']}").strip()), str(r["outer_step"]),
-                 _f(r["loss"]), fmt_si(r["tokens_per_s"]), rnd]
+        reach = Text(printable(r["reachability"]))
         if wide:
-            cells += [f"{100 * r['goodput']:.0f}%", Text(printable(r["reachability"])), fmt_duration(r["uptime_s"])]
+            cells = [peer, state, Text(printable(f"{r['device']} {r['precision']}").strip()), str(r["outer_step"]),
+                     _f(r["loss"]), fmt_si(r["tokens_per_s"]), rnd, f"{100 * r['goodput']:.0f}%", reach,
+                     fmt_duration(r["uptime_s"])]
+        else:
+            cells = [peer, state, str(r["outer_step"]), _f(r["loss"]), fmt_si(r["tokens_per_s"]), rnd, reach]
         table.add_row(*cells, style="dim" if r["state"] != "online" else None)
     return table
 

@@ -54,6 +54,8 @@ MAX_LOSS = 1e6
 MAX_SECONDS = 1e10
 MAX_GROUP = 10**6
 MAX_TIME = 1e11  # unix time, year ~5138
+MAX_MADDRS = 8
+MAX_MADDR = 256
 
 
 def records_key(run_id: str) -> str:
@@ -83,6 +85,8 @@ class PeerRecord(pv1.BaseModel):
     goodput: pv1.confloat(strict=True, ge=0.0, le=1.0)
     uptime_s: pv1.confloat(strict=True, ge=0.0, le=MAX_SECONDS)
     updated: pv1.confloat(strict=True, ge=0.0, le=MAX_TIME)
+    # where others can dial this peer ([] for a client); restarts dial them (node/known_peers.py)
+    maddrs: pv1.conlist(pv1.constr(strict=True, max_length=MAX_MADDR), max_items=MAX_MADDRS) = []
 
     class Config:
         extra = pv1.Extra.forbid
@@ -190,6 +194,8 @@ def normalize_snapshot(snapshot: dict[str, Any], *, now: float | None = None) ->
         out[field] = None if value is None or not _finite(value) else _float(value, limit)
     ok = snapshot.get("last_round_ok")
     out["last_round_ok"] = None if ok is None else bool(ok)
+    maddrs = snapshot.get("maddrs") or []
+    out["maddrs"] = [str(a) for a in maddrs if isinstance(a, str) and len(a) <= MAX_MADDR][:MAX_MADDRS]
     if not out["updated"]:
         out["updated"] = float(time.time() if now is None else now)
     PeerRecord.parse_obj(out)  # raises ValueError (pydantic's ValidationError) on a bad peer_id

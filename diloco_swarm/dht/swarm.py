@@ -31,6 +31,10 @@ class SwarmError(Exception):
     """A user-facing problem joining the swarm (bad address, busy port, no bootstrap peer)."""
 
 
+class BootstrapFailed(SwarmError):
+    """None of the initial peers answered."""
+
+
 def parse_initial_peers(values: Sequence[str]) -> list[str]:
     """Check multiaddrs such as ``/ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...``.
 
@@ -137,7 +141,8 @@ def start_dht(
 
     :param identity_path: private key file; created on first start, so the peer id survives restarts.
     :param retry_busy_port_s: keep retrying a busy port this long (a restart right after a shutdown).
-    :raises SwarmError: port busy, bad multiaddr, no initial peer answered, or p2pd cannot run here.
+    :raises SwarmError: port busy, bad multiaddr, or p2pd cannot run here; :class:`BootstrapFailed`
+        (a SwarmError) when no initial peer answered.
     """
     problem = p2pd_problem()
     if problem is not None:
@@ -184,7 +189,7 @@ def start_dht(
                 except SwarmError:
                     time.sleep(0.5)
     if bootstrap_failed:
-        raise SwarmError(
+        raise BootstrapFailed(
             "none of the --initial-peers answered (" + ", ".join(initial_peers) + "); check the addresses and "
             "that those nodes are running, or omit --initial-peers to start a new swarm"
         )

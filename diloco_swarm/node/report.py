@@ -26,6 +26,23 @@ def finite_or_null(value: Any) -> Any:
     return value
 
 
+def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The JSON objects of a metrics file written by :class:`MetricsWriter`, oldest first; only those
+    whose ``event`` is ``kind`` if given. A missing file gives ``[]``; a torn or foreign line (a node
+    killed mid-write) is skipped."""
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(event, dict) and (kind is None or event.get("event") == kind):
+            events.append(event)
+    return events
+
+
 class MetricsWriter:
     """Appends one JSON object per line to ``path`` (flushed per line; fields in docs/metrics.md)."""
 

@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +131,7 @@ class Node:
         self.client_mode = config.client_mode  # may switch on at start when we are unreachable
         self.reachability = "client" if config.client_mode else "unverified"  # public | unverified | client
         self._warned_no_public = False
+        self.maddrs: list[str] = []  # where others can dial us (empty until the DHT runs)
         self._last_rebootstrap = 0.0
         self._state_lock = threading.Lock()  # θ_global is read by the donation thread
 
@@ -188,16 +189,17 @@ class Node:
         from diloco_swarm.dht.records import PeerRecordPublisher, record_validators
 
         validators = record_validators(spec.run_id, cfg.state_dir)
-        dht_args = dict(initial_peers=cfg.initial_peers, host=cfg.host, port=cfg.port, announce=cfg.announce,
+        dht_args = dict(host=cfg.host, port=cfg.port, announce=cfg.announce,
                         identity_path=cfg.state_dir / "identity.key", record_validators=validators)
-        self.dht = start_dht(client_mode=self.client_mode, **dht_args)
+        self.dht = self._start_dht_or_rejoin(dht_args)
+        cfg = self.cfg  # its initial peers may now be the known peers we rejoined through
         self.peer_id = self.dht.peer_id.to_base58()
         ensure_run_spec(self.dht, spec, joining=bool(cfg.initial_peers))
         if self._detect_reachability() == "unreachable":
             # Behind NAT: a full peer would break every group it joins. Restart the DHT as a client.
             self.dht.shutdown()
             self.client_mode, self.reachability = True, "client"
-            self.dht = start_dht(client_mode=True, retry_busy_port_s=15.0, **dht_args)
+            self.dht = start_dht(initial_peers=cfg.initial_peers, client_mode=True, retry_busy_port_s=15.0, **dht_args)
         self.sampler = BatchSampler(self.corpus.train, cfg.batch_size, spec.seq_len, seed=spec.seed, stream_id=self.peer_id)
         self.eval_set = held_out_batches(self.corpus.held_out, cfg.batch_size, spec.seq_len, cfg.eval_batches)
         self.averager = PseudoGradientAverager(
@@ -214,9 +216,9 @@ class Node:
         )
         if not self.client_mode:
             self.averager.state_sharing_priority = float(self.outer_step)
+        addrs = self.maddrs = visible_maddrs(self.dht)
         self.records = PeerRecordPublisher(self.dht, spec.run_id, validators, self._record_snapshot, interval_s=5.0)
         self.records.start()
-        addrs = visible_maddrs(self.dht)
         self.status.log(
             f"peer {self.peer_id} | run '{spec.run_id}' | model {spec.model} "
             f"({num_parameters(self.model) / 1e6:.2f}M params) on {self.device} | data {self.corpus.description}"
@@ -238,6 +240,67 @@ class Node:
                 "outer_step": self.outer_step,
             }
         )
+
+    def _start_dht_or_rejoin(self, dht_args: dict[str, Any]):
+        """Start the DHT through ``--initial-peers``; without them, through the peers this node saw
+        before (``state_dir/peers.json``, node/known_peers.py), so a restarted first node rejoins its
+        swarm instead of starting a second one. If none of those answers, start a new swarm. If no
+        ``--initial-peers`` answer, try the known peers before giving up.
+
+        :raises SwarmError: as :func:`~diloco_swarm.dht.swarm.start_dht`; BootstrapFailed when neither
+            the ``--initial-peers`` nor the known peers answered.
+        """
+        from diloco_swarm.dht.swarm import BootstrapFailed, peer_ids_of, start_dht
+        from diloco_swarm.node.known_peers import known_peers_path, load_known_peers, remember_peers
+
+        cfg, run_id = self.cfg, self.spec.run_id
+        known = [a for a in load_known_peers(cfg.state_dir, run_id) if a not in cfg.initial_peers]
+        n = len(peer_ids_of(known))
+        saw = f"the {n} peer{'s' if n != 1 else ''} of run '{run_id}' this node saw before ({known_peers_path(cfg.state_dir)})"
+        if cfg.initial_peers:
+            try:
+                dht = start_dht(initial_peers=cfg.initial_peers, client_mode=self.client_mode, **dht_args)
+            except BootstrapFailed as err:
+                # the swarm may have moved on (a restart from shell history): try where we last saw it
+                if not known or self.stop.requested:
+                    raise
+                self.status.log(f"none of the --initial-peers answered; dialing {saw}")
+                try:
+                    dht = start_dht(initial_peers=known, client_mode=self.client_mode, retry_busy_port_s=15.0,
+                                    **dht_args)
+                except BootstrapFailed:
+                    raise err from None
+                self.status.log("rejoined the swarm through them")
+                self.cfg = replace(cfg, initial_peers=known)
+                return dht
+            by_peer: dict[str, list[str]] = {}
+            for addr in cfg.initial_peers:  # they answered: worth remembering
+                for peer in peer_ids_of([addr]):
+                    by_peer.setdefault(peer, []).append(addr)
+            remember_peers(cfg.state_dir, run_id, by_peer, me=dht.peer_id.to_base58())
+            return dht
+        if not known:
+            return start_dht(initial_peers=[], client_mode=self.client_mode, **dht_args)
+        self.status.log(f"no --initial-peers: dialing {saw}")
+        try:
+            dht = start_dht(initial_peers=known, client_mode=self.client_mode, **dht_args)
+        except BootstrapFailed:
+            if self.stop.requested:
+                raise
+            self.status.log(f"none of them answered; starting a new swarm of run '{run_id}' "
+                            "(to join a running one, restart with --initial-peers)")
+            return start_dht(initial_peers=[], client_mode=self.client_mode, retry_busy_port_s=15.0, **dht_args)
+        self.status.log("rejoined the swarm through them")
+        self.cfg = replace(cfg, initial_peers=known)
+        return dht
+
+    def _remember_peers(self, records: dict[str, Any]) -> None:
+        """Save the addresses of the full peers in ``records`` for a later restart (node/known_peers.py)."""
+        from diloco_swarm.node.known_peers import remember_peers
+
+        seen = {p: r.maddrs for p, r in records.items() if r.reachability != "client" and r.maddrs}
+        if seen:
+            remember_peers(self.cfg.state_dir, self.spec.run_id, seen, me=self.peer_id)
 
     def _detect_reachability(self) -> str:
         """Ask a public peer to dial us back (averaging/reachability.py) unless --client-mode or
@@ -331,6 +394,7 @@ class Node:
             "failed_rounds": self.failed_rounds,
             "goodput": min(1.0, max(0.0, self.clock.goodput())),
             "uptime_s": time.monotonic() - self.clock.started,
+            "maddrs": [] if self.client_mode else self.maddrs,  # a client cannot be dialed
         }
 
     # ------------------------------------------------------------------ state transfer
@@ -732,7 +796,9 @@ class Node:
                 self.records.publish_now()
                 with contextlib.suppress(Exception):
                     refresh_run_spec(self.dht, self.spec)
-                    self.peers_seen = max(1, len(read_peer_records(self.dht, self.spec.run_id)))
+                    records = read_peer_records(self.dht, self.spec.run_id)
+                    self.peers_seen = max(1, len(records))
+                    self._remember_peers(records)
                 self._status(force=True)
                 if result.rejected_peers:
                     for peer, why in result.rejected_peers.items():

@@ -16,6 +16,12 @@ makes them follow it. They also drop the node's inherited Ctrl+C handler: SIGINT
 The libp2p daemon. hivemind starts ``p2pd`` in the node's process group, so a terminal's Ctrl+C
 killed it under the node, which then could not say goodbye and printed tracebacks.
 :func:`_spawn_p2pd_apart` starts it in its own process group, dying with the process that started it.
+
+Tracebacks at exit. A request from the node to its DHT or averager process carries the node's end
+of a pipe (hivemind's ``MPFuture``), fetched from the node when the child reads the request. A
+request still queued while the node exits cannot be read any more: the child's loop logs
+``ConnectionResetError`` with a full traceback on the user's terminal, though nothing is wrong.
+:class:`_QuietPipeErrors` turns exactly those into one debug line.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import asyncio
 import ctypes
 import functools
 import os
+import logging
 import signal
 import sys
 
@@ -102,6 +109,19 @@ def _spawn_p2pd_apart(create_subprocess_exec):
     return wrapper
 
 
+class _QuietPipeErrors(logging.Filter):
+    """Drop the traceback of a request that could not be read from the node's pipe (see above)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if record.funcName in ("_run", "_run_internal") and isinstance(exc, (ConnectionError, EOFError)):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                f"a request from the parent process could not be read ({exc!r}); is it exiting?", None, None, None)
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
 def patch_hivemind() -> None:
     """Apply the fixes to hivemind's classes (idempotent; must run before DHTs/averagers fork)."""
     from hivemind.averaging import DecentralizedAverager
@@ -121,6 +141,10 @@ def patch_hivemind() -> None:
         run = cls.__dict__.get("run")
         if run is not None and not getattr(run, "__dies_with_parent__", False):
             setattr(cls, "run", _run_dying_with_parent(run))
+    for name in ("hivemind.dht.dht", "hivemind.averaging.averager"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _QuietPipeErrors) for f in log.filters):
+            log.addFilter(_QuietPipeErrors())
     # hivemind.p2p.p2p_daemon calls asyncio.subprocess.create_subprocess_exec; only p2pd is affected
     if not getattr(asyncio.subprocess.create_subprocess_exec, "__spawns_p2pd_apart__", False):
         asyncio.subprocess.create_subprocess_exec = _spawn_p2pd_apart(asyncio.subprocess.create_subprocess_exec)

@@ -1,0 +1,45 @@
+"""Process trees of running nodes (the churn bench and the churn tests kill whole peers).
+
+A node is several processes: the main one, forked hivemind DHT and averager processes, and a
+p2pd daemon. A crash of the whole peer (machine down, container killed) kills all of them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its live descendants, parents first (read from /proc; Linux only).
+    ``[pid]`` alone if it has no children or has already exited."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the command name in (...) may hold spaces
+        children.setdefault(ppid, []).append(int(entry.name))
+    tree, i = [pid], 0
+    while i < len(tree):
+        tree.extend(children.get(tree[i], []))
+        i += 1
+    return tree
+
+
+def pids_mentioning(text: str) -> list[int]:
+    """Live processes (other than this one) whose command line contains ``text``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            out.append(int(entry.name))
+    return out

@@ -1,0 +1,118 @@
+"""The peers a node has seen, kept in its state dir so that a restart finds the swarm again.
+
+A node restarted without ``--initial-peers`` (typically the first node of a run, which never had
+any) would otherwise start a second, separate swarm under the same run id: nobody dials it. So
+each node writes ``state_dir/peers.json`` with the multiaddrs that other full peers publish in
+their signed records (dht/records.py), and a restart without ``--initial-peers`` dials those.
+If none answers, the node starts a new swarm, as before.
+
+The file is a cache, never trusted: an unreadable or foreign file is ignored (and rewritten), every
+address is re-parsed, and its ``/p2p/`` part must be the peer that published it, so the libp2p
+handshake of a dial checks that the address reaches that peer.
+
+    {"run_id": "my-run", "peers": {"<peer id>": {"maddrs": ["/ip4/.../tcp/.../p2p/<peer id>"], "seen": 1764480000.0}}}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from hivemind.utils.multiaddr import Multiaddr
+
+logger = logging.getLogger(__name__)
+
+FILE_NAME = "peers.json"
+MAX_PEERS = 16  # most recently seen first
+MAX_MADDRS_PER_PEER = 4
+MAX_FILE_BYTES = 1 << 20
+FORGET_AFTER_S = 14 * 24 * 3600.0  # a peer unseen this long is dropped
+
+
+def known_peers_path(state_dir: Path) -> Path:
+    return Path(state_dir) / FILE_NAME
+
+
+def usable_maddrs(peer_id: str, maddrs: Iterable[Any]) -> list[str]:
+    """The addresses of ``maddrs`` that parse as multiaddrs and end in ``/p2p/<peer_id>`` (TCP, no relay),
+    deduplicated, at most :data:`MAX_MADDRS_PER_PEER`."""
+    out: list[str] = []
+    for a in maddrs:
+        if not isinstance(a, str) or len(a) > 256 or "/p2p-circuit" in a:
+            continue
+        try:
+            addr = Multiaddr(a)
+            if addr.value_for_protocol("p2p") != peer_id or "/tcp/" not in a:
+                continue
+        except Exception:
+            continue
+        if str(addr) not in out:
+            out.append(str(addr))
+        if len(out) == MAX_MADDRS_PER_PEER:
+            break
+    return out
+
+
+def load_known_peers(state_dir: Path, run_id: str, *, now: float | None = None) -> list[str]:
+    """Multiaddrs to dial for ``run_id``, the most recently seen peers first.
+
+    :returns: ``[]`` when the file is missing, unreadable, of another run, or holds nothing usable
+        (never raises: the file is a cache).
+    """
+    entries = _read(known_peers_path(state_dir), run_id)
+    now = time.time() if now is None else now
+    ordered = sorted(entries.items(), key=lambda kv: -kv[1]["seen"])
+    return [a for peer, e in ordered if now - e["seen"] <= FORGET_AFTER_S for a in e["maddrs"]]
+
+
+def remember_peers(state_dir: Path, run_id: str, seen: Mapping[str, Iterable[Any]], *, me: str,
+                   now: float | None = None) -> int:
+    """Merge ``seen`` (``{peer_id: its multiaddrs}``, seen now) into ``state_dir/peers.json``.
+
+    Our own peer id and addresses that are not usable (:func:`usable_maddrs`) are left out; the file
+    keeps the :data:`MAX_PEERS` most recently seen peers. The write is atomic (temp file + rename).
+    :returns: the number of peers in the file. Errors writing it are logged, never raised.
+    """
+    path = known_peers_path(state_dir)
+    now = time.time() if now is None else now
+    entries = _read(path, run_id)
+    for peer, maddrs in seen.items():
+        if not isinstance(peer, str) or peer == me:
+            continue
+        usable = usable_maddrs(peer, maddrs)
+        if usable:
+            entries[peer] = {"maddrs": usable, "seen": now}
+    kept = dict(sorted(((p, e) for p, e in entries.items() if now - e["seen"] <= FORGET_AFTER_S),
+                       key=lambda kv: -kv[1]["seen"])[:MAX_PEERS])
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"run_id": run_id, "peers": kept}, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning(f"could not write {path}: {e}")
+        tmp.unlink(missing_ok=True)
+    return len(kept)
+
+
+def _read(path: Path, run_id: str) -> dict[str, dict[str, Any]]:
+    """``{peer_id: {"maddrs": [...], "seen": float}}`` of ``run_id`` from the file; bad parts dropped."""
+    try:
+        if not path.exists() or path.stat().st_size > MAX_FILE_BYTES:
+            return {}
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(doc, dict) or doc.get("run_id") != run_id or not isinstance(doc.get("peers"), dict):
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for peer, e in doc["peers"].items():
+        if not isinstance(e, dict) or not isinstance(e.get("seen"), (int, float)) or not isinstance(e.get("maddrs"), list):
+            continue
+        usable = usable_maddrs(peer, e["maddrs"])
+        if usable:
+            out[peer] = {"maddrs": usable, "seen": float(e["seen"])}
+    return out
