@@ -37,6 +37,7 @@ between the `<!-- bench:... -->` markers. To rerun:
 .venv/bin/python -m bench quality        # one benchmark: wire | codec | round | quality | netns
 .venv/bin/python -m bench report         # only regenerate this file from bench/out/
 .venv/bin/python -m bench.churn          # section 6 and docs/benchmarks-churn.md: calm vs kill/restart, ~13 min
+.venv/bin/python -m bench.idle           # section 7: CPU of a lone peer waiting for a group, ~3 min
 ```
 
 Every section says which command, machine and date its figures came from. The machine these were

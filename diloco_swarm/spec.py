@@ -14,6 +14,18 @@ import json
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 PROTOCOL_VERSION = 1
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
+RUN_ID_MAX = 64
+
+
+def run_id_problem(run_id: str) -> str | None:
+    """One line saying why ``run_id`` is not a valid run id, or None."""
+    import re
+
+    if 1 <= len(run_id) <= RUN_ID_MAX and re.match(RUN_ID_PATTERN, run_id):
+        return None
+    return (f"--run-id {run_id!r} is not a valid run id: use 1 to {RUN_ID_MAX} letters, digits, '-' or '_', "
+            "starting with a letter or digit")
 
 
 class RunSpec(BaseModel):
@@ -21,7 +33,7 @@ class RunSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    run_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+    run_id: str = Field(min_length=1, max_length=RUN_ID_MAX, pattern=RUN_ID_PATTERN)
     protocol_version: int = PROTOCOL_VERSION
     model: str
     dataset: str

@@ -64,3 +64,19 @@ def test_report_keeps_full_sections_and_untouched_ones(tmp_path):
     text = doc.read_text()
     assert "FULL FIGURES" not in text and "| fp16 |" in text and "WIRE FIGURES" in text
     assert "OTHER FIGURES" in text  # another benchmark's marked section survives
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(300)
+def test_idle_benchmark_runs_at_toy_size(tmp_path):
+    from bench.idle import VARIANTS, run, section
+
+    result = {"name": "idle", "size": "smoke", **run("smoke")}
+    assert [t["variant"] for t in result["trials"]] == list(VARIANTS)
+    for t in result["trials"]:  # the whole process tree was measured: node, DHT, averager, p2pd
+        assert len(t["per_process"]) >= 4 and any(name.startswith("p2pd") for name in t["per_process"]), t
+    from bench.common import provenance
+
+    result.update(elapsed_s=1.0, loadavg_end=None, provenance=provenance("python -m bench.idle"))
+    text = section(result, tmp_path / "idle.smoke.json")
+    assert "<!-- bench:idle size=smoke -->" in text and "| stock |" in text and "| paced |" in text

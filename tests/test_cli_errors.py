@@ -43,6 +43,7 @@ def error_line(proc_stderr: str, returncode: int, stdout: str = "") -> str:
 def _cases(root, busy_port):
     """name -> (extra args, fragments the error line must contain)."""
     (root / "empty-folder").mkdir()
+    (root / "a-file").write_text("not a directory")
     corrupt_dir = root / "state-corrupt"
     corrupt_dir.mkdir()
     (corrupt_dir / "checkpoint.pt").write_bytes(CORRUPT_BYTES)
@@ -53,10 +54,16 @@ def _cases(root, busy_port):
         "dataset-missing": (["--dataset", str(root / "no-such-dir")], [str(root / "no-such-dir"), "does not exist"]),
         "dataset-empty": (["--dataset", str(root / "empty-folder")], [str(root / "empty-folder"), "no files"]),
         "port-busy": (["--host", "127.0.0.1", "--port", str(busy_port)], [f"port {busy_port}", "already in use"]),
+        "host-not-an-ip": (["--host", "999.1.1.1"], ["--host", "'999.1.1.1'", "not an IP address"]),
+        "host-not-local": (["--host", "192.0.2.1"], ["cannot listen on 192.0.2.1"]),  # TEST-NET-1: nobody's
         "checkpoint-corrupt": (
             ["--state-dir", str(corrupt_dir)],
             [str(corrupt_dir / "checkpoint.pt"), "corrupt", "start fresh"],
         ),
+        "state-dir-under-a-file": (["--state-dir", str(root / "a-file" / "state")],
+                                   [str(root / "a-file" / "state"), "is not writable", "--state-dir"]),
+        # the kernel refuses new files in /proc even to root: a state dir that exists but is read-only
+        "state-dir-read-only": (["--state-dir", "/proc/self"], ["state dir /proc/self is not writable"]),
         "model-unknown": (["--model", "huge"], ["--model", "huge", "tiny"]),
         "inner-steps-0": (["--inner-steps", "0"], ["--inner-steps", "1"]),
         "run-id-bad": (["--run-id", "bad id!"], ["--run-id", "'bad id!'", "letters, digits"]),
@@ -115,7 +122,11 @@ CASE_NAMES = [
     "dataset-missing",
     "dataset-empty",
     "port-busy",
+    "host-not-an-ip",
+    "host-not-local",
     "checkpoint-corrupt",
+    "state-dir-under-a-file",
+    "state-dir-read-only",
     "model-unknown",
     "inner-steps-0",
     "run-id-bad",
@@ -214,6 +225,37 @@ def test_joining_with_another_run_spec_names_the_differing_fields(first_node, tm
     assert "inner_lr" not in line and "model" not in line  # only the fields that differ
     assert "--run-id" in line  # what to do next
     assert not (tmp_path / "state-b" / "checkpoint.pt").exists()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(150)
+def test_the_printed_join_line_joins_the_run(first_node, tmp_path):
+    """The node's "to join from another machine" line carries the run-spec flags that differ from
+    the defaults: pasted as printed (plus local flags), it joins instead of failing the spec check."""
+    import shlex
+
+    _, start, run_id, first_dir = first_node
+    line = next(x for x in (first_dir / "a.stderr").read_text().splitlines() if "to join from another machine:" in x)
+    command = shlex.split(line.split("to join from another machine:", 1)[1])
+    assert command[:2] == ["diloco-node", "join"] and run_id in command, command
+    assert {"--inner-steps", "--seq-len", "--compression"} <= set(command), command  # first_node's non-defaults
+    assert "--batch-size" not in command and "--threads" not in command  # local flags stay out
+    metrics = tmp_path / "joiner.jsonl"
+    proc = subprocess.Popen([*NODE, *command[2:], "--host", "127.0.0.1", "--port", "0", "--threads", "1",
+                             "--max-dataset-bytes", "100000", "--batch-size", "2",
+                             "--state-dir", str(tmp_path / "state-j"), "--metrics-file", str(metrics)],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and '"event": "start"' not in (
+                metrics.read_text() if metrics.exists() else ""):
+            time.sleep(0.3)
+        assert proc.poll() is None, f"the joiner exited with {proc.returncode}: {proc.stderr.read()[-2000:]}"
+        assert '"event": "start"' in metrics.read_text()  # past the run-spec check
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 @pytest.mark.swarm

@@ -53,6 +53,7 @@ CASES = {
     "announce-bad": (["--announce", "203.0.113.5:31337"], ["--announce", "'203.0.113.5:31337'", "not a multiaddr"]),
     "announce-bad-ip": (["--announce", "/ip4/203.0.113/tcp/5"], ["--announce", "not a multiaddr"]),
     "client-and-public": (["--client-mode", "--public"], ["--client-mode and --public contradict"]),
+    "host-not-an-ip": (["--host", "my-laptop"], ["--host", "'my-laptop'", "not an IP address"]),
     "dataset-missing": (["--dataset", "{tmp}/no-such-file.txt"], ["no-such-file.txt", "does not exist"]),
     "dataset-empty-folder": (["--dataset", "{tmp}/empty"], ["empty", "contains no files"]),
     "dataset-glob-no-match": (["--dataset", "{tmp}/*.nothing"], ["*.nothing", "matched no files"]),

@@ -226,6 +226,10 @@ def test_status_cli_errors_are_one_line_exit_2():
     assert r.exit_code == 2
     r = CliRunner().invoke(app, ["dashboard", "--initial-peers", "/ip4/127.0.0.1/tcp/1"])
     assert r.exit_code == 2
+    good_peer = "/ip4/127.0.0.1/tcp/1/p2p/QmcaAm1dbxe3yDbWTLWVedDN8xTYf3NXS6TCfAyaMH5dcK"
+    for command in ("status", "dashboard"):  # refused before dialing anyone
+        r = CliRunner().invoke(app, [command, "--run-id", "my run", "--initial-peers", good_peer])
+        assert r.exit_code == 2 and "'my run' is not a valid run id" in r.output, r.output
 
 
 # ------------------------------------------------------------------------------------------ processes

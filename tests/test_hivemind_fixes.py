@@ -31,3 +31,32 @@ def test_other_errors_keep_their_traceback(caplog):
     assert records[0].levelno == logging.ERROR and records[0].exc_info is not None
     records = _log_from("_store", "hivemind.dht.dht", ConnectionResetError(104, "x"), caplog)  # elsewhere
     assert records[0].levelno == logging.ERROR and records[0].exc_info is not None
+
+
+def test_group_key_reads_are_paced():
+    """hivemind re-reads the group key as soon as the last read returns; ours waits MIN_GROUP_POLL_S."""
+    import asyncio
+    import time
+
+    from hivemind.averaging.key_manager import GroupKeyManager
+
+    from diloco_swarm.utils.hivemind_fixes import MIN_GROUP_POLL_S
+
+    assert getattr(GroupKeyManager.get_averagers, "__paced__", False)
+    calls = []
+
+    class FakeDHT:  # the real get_averagers reads the key through dht.get: count when it does
+        async def get(self, *args, **kwargs):
+            calls.append(time.monotonic())
+            return None
+
+    manager = GroupKeyManager.__new__(GroupKeyManager)
+    manager.dht = FakeDHT()
+
+    async def poll():
+        for _ in range(4):
+            assert await manager.get_averagers("run.0b", only_active=True) == []
+
+    asyncio.run(poll())
+    gaps = [b - a for a, b in zip(calls, calls[1:])]
+    assert len(calls) == 4 and min(gaps) >= MIN_GROUP_POLL_S - 0.02, gaps

@@ -7,8 +7,8 @@ import json
 
 from hivemind.p2p import PeerID
 
-from diloco_swarm.node.known_peers import (FORGET_AFTER_S, MAX_MADDRS_PER_PEER, MAX_PEERS, known_peers_path,
-                                           load_known_peers, remember_peers)
+from diloco_swarm.node.known_peers import (FORGET_AFTER_S, MAX_FILE_BYTES, MAX_MADDRS_PER_PEER, MAX_PEERS,
+                                           known_peers_path, load_known_peers, remember_peers)
 
 A = "QmXrYYRZm9dFWsiVF8eeJst9kbbLM8ZwKnKbb1dS2U4Hkr"
 B = "QmduEXfMqLgassRnJzsERT79N8AQxEd4koBY9HCfbr5WY9"
@@ -55,12 +55,26 @@ def test_keeps_the_most_recent_peers_and_forgets_old_ones(tmp_path):
     assert load_known_peers(tmp_path, "run", now=now) == [addr(peer_id(MAX_PEERS + 4))]
 
 
-def test_a_corrupt_or_hostile_file_is_ignored_and_rewritten(tmp_path):
+def test_a_corrupt_or_hostile_file_is_ignored_with_one_line_and_rewritten(tmp_path):
     path = known_peers_path(tmp_path)
-    for text in ["{", "[]", '{"run_id": "run", "peers": 5}', "\x00" * 10,
-                 json.dumps({"run_id": "run", "peers": {A: {"maddrs": "x", "seen": 1}, B: {"maddrs": [addr(B)]}}})]:
+    cases = {
+        "{": "not valid JSON",
+        "\x00" * 10: "not valid JSON",
+        "[]": "not a peers file",
+        '{"run_id": "run", "peers": 5}': "not a peers file",
+        json.dumps({"run_id": "run", "peers": {A: {"maddrs": "x", "seen": 1}, B: {"maddrs": [addr(B)]}}}):
+            "none of its 2 entries has a usable address",
+        "x" * (MAX_FILE_BYTES + 1): "larger than",
+    }
+    for text, why in cases.items():
         path.write_text(text)
-        assert load_known_peers(tmp_path, "run") == []
+        lines = []
+        assert load_known_peers(tmp_path, "run", warn=lines.append) == []
+        assert len(lines) == 1 and lines[0].startswith(f"warning: ignoring {path}: ") and why in lines[0], lines
+    for quiet in ['{"run_id": "other-run", "peers": {}}', '{"run_id": "run", "peers": {}}']:
+        path.write_text(quiet)  # another run's file, or nobody seen yet: nothing to say
+        lines = []
+        assert load_known_peers(tmp_path, "run", warn=lines.append) == [] and lines == []
     path.write_text(json.dumps({"run_id": "run", "peers": {A: {"maddrs": [addr(A), addr(B)], "seen": 5.0}}}))
     assert load_known_peers(tmp_path, "run", now=5.0) == [addr(A)]  # B's address under A's name is dropped
     path.write_text("garbage")
@@ -73,3 +87,20 @@ def test_an_unwritable_state_dir_is_not_an_error(tmp_path):
     missing = tmp_path / "gone"  # the directory does not exist: the write fails, nothing raises
     assert remember_peers(missing, "run", {A: [addr(A)]}, me=ME) == 1
     assert load_known_peers(missing, "run") == []
+
+
+def test_a_fifo_or_directory_never_blocks_and_is_replaced(tmp_path):
+    import os
+
+    path = known_peers_path(tmp_path)
+    os.mkfifo(path)  # reading a FIFO would block the node's start forever
+    lines = []
+    assert load_known_peers(tmp_path, "run", warn=lines.append) == []
+    assert lines and "not a regular file" in lines[0]
+    remember_peers(tmp_path, "run", {A: [addr(A)]}, me=ME, now=1.0)  # replaced by a regular file
+    assert load_known_peers(tmp_path, "run", now=1.0) == [addr(A)]
+    path.unlink()
+    path.mkdir()
+    lines = []
+    assert load_known_peers(tmp_path, "run", warn=lines.append) == [] and "not a regular file" in lines[0]
+    remember_peers(tmp_path, "run", {A: [addr(A)]}, me=ME)  # cannot replace a directory: logged, no raise

@@ -84,8 +84,8 @@ def join(
     model: Annotated[Model, typer.Option(help="Model size preset: tiny (~0.5M params, CPUs/tests), small (~11M), base (~100M, GPUs).", rich_help_panel=TRAINING)] = Model.tiny,
     inner_steps: Annotated[int, typer.Option(min=1, help="H: inner AdamW steps between outer steps.", rich_help_panel=TRAINING)] = 500,
     seq_len: Annotated[int, typer.Option(min=8, help="Tokens (bytes) per training sequence.", rich_help_panel=TRAINING)] = 256,
-    inner_lr: Annotated[float, typer.Option(min=0.0, help="Inner AdamW learning rate.", rich_help_panel=TRAINING)] = 1e-3,
-    outer_lr: Annotated[float, typer.Option(min=0.0, help="Outer SGD learning rate.", rich_help_panel=TRAINING)] = 0.7,
+    inner_lr: Annotated[float, typer.Option(help="Inner AdamW learning rate (> 0).", rich_help_panel=TRAINING)] = 1e-3,
+    outer_lr: Annotated[float, typer.Option(help="Outer SGD learning rate (> 0).", rich_help_panel=TRAINING)] = 0.7,
     outer_momentum: Annotated[float, typer.Option(min=0.0, max=0.999, help="Outer Nesterov momentum (0 = plain SGD).", rich_help_panel=TRAINING)] = 0.9,
     compression: Annotated[Compression, typer.Option(help="Pseudo-gradient encoding on the wire.", rich_help_panel=TRAINING)] = Compression.int8,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the initial weights (shared) and of each peer's data order (mixed with its peer id).", rich_help_panel=TRAINING)] = 0,
@@ -113,7 +113,7 @@ def join(
     from pydantic import ValidationError
 
     from diloco_swarm.node.config import NodeConfig
-    from diloco_swarm.spec import RunSpec
+    from diloco_swarm.spec import RunSpec, run_id_problem
 
     if fault not in ("", "nan", "huge", "stall-allreduce"):
         raise fail(f"--fault must be nan, huge or stall-allreduce, got '{fault}'")
@@ -138,10 +138,7 @@ def join(
         first = e.errors()[0]
         field = str(first["loc"][0]) if first.get("loc") else "run spec"
         if field == "run_id":
-            raise fail(
-                f"--run-id {run_id!r} is not a valid run id: use 1 to 64 letters, digits, '-' or '_', "
-                "starting with a letter or digit"
-            )
+            raise fail(run_id_problem(run_id) or f"--run-id {run_id!r}: {first['msg']}")
         raise fail(f"--{field.replace('_', '-')} {first.get('input')!r}: {first['msg']}")
     from diloco_swarm.cli.precheck import InputError, check_join_input
 
@@ -180,8 +177,28 @@ def join(
         wait_for_peers=wait_for_peers,
         fault=fault,
         debug_dump_rounds=debug_dump_rounds,
+        join_flags=_spec_flags_to_repeat(dataset=dataset, model=model.value, inner_steps=inner_steps, seq_len=seq_len,
+                                         inner_lr=inner_lr, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                                         compression=compression.value, seed=seed,
+                                         max_dataset_bytes=max_dataset_bytes if dataset is not None else None),
     )
     run_node(config)
+
+
+def _spec_flags_to_repeat(**values) -> list[str]:
+    """The run-spec flags (and, for a file dataset, --max-dataset-bytes) that differ from ``join``'s
+    defaults: what another machine must pass to join this run, printed in the node's join line."""
+    import inspect
+    import shlex
+
+    defaults = inspect.signature(join).parameters
+    out: list[str] = []
+    for name, value in values.items():
+        default = defaults[name].default
+        default = getattr(default, "value", default)  # enums
+        if value is not None and value != default:
+            out += [f"--{name.replace('_', '-')}", shlex.quote(str(value))]
+    return out
 
 
 def run_node(config) -> None:

@@ -53,10 +53,13 @@ def dashboard(
     Joins the DHT as a client and reads the peers' signed records every few seconds. Also serves /api/v1/state (JSON, see docs/dashboard.md) and /metrics (Prometheus). Ctrl+C stops it; the chart history is saved in --state-dir.
     """
     from diloco_swarm.cli.app import fail
+    from diloco_swarm.spec import run_id_problem
     from diloco_swarm.cli.status import reader_message, join_as_reader
     from diloco_swarm.dht.swarm import SwarmError, check_port_free, parse_initial_peers
 
     err = Console(stderr=True, highlight=False)
+    if run_id_problem(run_id):
+        raise fail(run_id_problem(run_id))
     try:
         peers = parse_initial_peers(initial_peers)
         if not peers:

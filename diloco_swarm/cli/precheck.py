@@ -12,7 +12,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Callable, Sequence
 
-from diloco_swarm.utils.net import port_problem
+from diloco_swarm.utils.net import host_problem, port_problem
 
 
 class InputError(ValueError):
@@ -110,5 +110,7 @@ def check_join_input(*, initial_peers: Sequence[str], announce: Sequence[str], h
     """All of the above, in the order the node itself would find the problems. :raises InputError:"""
     check_initial_peers(initial_peers)
     check_dataset(dataset)
+    if host_problem(host):
+        raise InputError(host_problem(host))
     check_port(host, port)
     check_announce(announce)

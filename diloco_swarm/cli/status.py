@@ -155,10 +155,13 @@ def status(
     Joins the DHT as a client (it never trains and accepts no connections), reads every peer's signed record, prints, and leaves. Exit code 0 even when no peer is found; 2 on errors.
     """
     from diloco_swarm.cli.app import fail
+    from diloco_swarm.spec import run_id_problem
     from diloco_swarm.dashboard.state import summarize
     from diloco_swarm.dht.swarm import SwarmError, parse_initial_peers
 
     out = Console(highlight=False)
+    if run_id_problem(run_id):
+        raise fail(run_id_problem(run_id))
     try:
         peers = parse_initial_peers(initial_peers)
         if not peers:

@@ -22,7 +22,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from diloco_swarm.spec import RunSpec, SpecMismatch
 from diloco_swarm.utils import hivemind_fixes  # noqa: F401  (patches hivemind before any DHT forks)
-from diloco_swarm.utils.net import port_problem
+from diloco_swarm.utils.net import host_problem, port_problem
 
 SPEC_TTL_S = 3600.0
 
@@ -99,13 +99,24 @@ def listen_maddrs(host: str, port: int) -> list[str]:
 class StateDirLock:
     """An exclusive POSIX lock on ``state_dir/node.lock``: one node per state dir.
 
-    :raises SwarmError: another process holds the lock.
+    :raises SwarmError: another process holds the lock, or the directory cannot be created or written.
     """
 
     def __init__(self, state_dir: Path):
-        state_dir.mkdir(parents=True, exist_ok=True)
-        self.path = state_dir / "node.lock"
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd = -1
+        if state_dir.exists() and not state_dir.is_dir():
+            raise SwarmError(f"state dir {state_dir} is a file, not a directory; give another --state-dir")
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            # checkpoints are written as temp files renamed into place: the dir itself must be writable
+            probe = state_dir / f".write-probe.{os.getpid()}"
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+            probe.unlink()
+            self.path = state_dir / "node.lock"
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise SwarmError(f"state dir {state_dir} is not writable ({e.strerror or e}); fix its permissions or "
+                             "give another --state-dir") from None
         try:
             # A POSIX record lock, not flock(): forked children (DHT, averager) do not hold it,
             # so it is released the moment this process dies, however it dies.
@@ -147,6 +158,8 @@ def start_dht(
     problem = p2pd_problem()
     if problem is not None:
         raise SwarmError(problem)
+    if host_problem(host):
+        raise SwarmError(host_problem(host))
     deadline = time.monotonic() + retry_busy_port_s
     while True:
         try:

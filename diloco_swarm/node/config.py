@@ -38,3 +38,4 @@ class NodeConfig:
     name: str = ""
     fault: str = ""  # test-only fault injection, hidden from --help
     debug_dump_rounds: Path | None = None  # test-only: {outer_step}-{peer_id}.pt with local and applied Δ
+    join_flags: list[str] = field(default_factory=list)  # run-spec flags a joiner must repeat (shown in the join line)

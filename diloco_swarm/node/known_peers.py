@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -57,13 +58,19 @@ def usable_maddrs(peer_id: str, maddrs: Iterable[Any]) -> list[str]:
     return out
 
 
-def load_known_peers(state_dir: Path, run_id: str, *, now: float | None = None) -> list[str]:
+def load_known_peers(state_dir: Path, run_id: str, *, now: float | None = None,
+                     warn: Callable[[str], None] | None = None) -> list[str]:
     """Multiaddrs to dial for ``run_id``, the most recently seen peers first.
 
-    :returns: ``[]`` when the file is missing, unreadable, of another run, or holds nothing usable
-        (never raises: the file is a cache).
+    :param warn: called with one line when the file exists but is unusable (unreadable, not a
+        regular file, too large, not our JSON, no usable address); it is then ignored.
+    :returns: ``[]`` when the file is missing, unusable, or of another run (never raises: the file
+        is a cache).
     """
-    entries = _read(known_peers_path(state_dir), run_id)
+    path = known_peers_path(state_dir)
+    entries, problem = _read(path, run_id)
+    if problem and warn is not None:
+        warn(f"warning: ignoring {path}: {problem}")
     now = time.time() if now is None else now
     ordered = sorted(entries.items(), key=lambda kv: -kv[1]["seen"])
     return [a for peer, e in ordered if now - e["seen"] <= FORGET_AFTER_S for a in e["maddrs"]]
@@ -79,7 +86,7 @@ def remember_peers(state_dir: Path, run_id: str, seen: Mapping[str, Iterable[Any
     """
     path = known_peers_path(state_dir)
     now = time.time() if now is None else now
-    entries = _read(path, run_id)
+    entries, _ = _read(path, run_id)
     for peer, maddrs in seen.items():
         if not isinstance(peer, str) or peer == me:
             continue
@@ -98,16 +105,29 @@ def remember_peers(state_dir: Path, run_id: str, seen: Mapping[str, Iterable[Any
     return len(kept)
 
 
-def _read(path: Path, run_id: str) -> dict[str, dict[str, Any]]:
-    """``{peer_id: {"maddrs": [...], "seen": float}}`` of ``run_id`` from the file; bad parts dropped."""
+def _read(path: Path, run_id: str) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """``({peer_id: {"maddrs": [...], "seen": float}}, problem)`` of ``run_id`` from the file; bad
+    entries dropped. ``problem`` says why a file that exists gave nothing usable (else None)."""
     try:
-        if not path.exists() or path.stat().st_size > MAX_FILE_BYTES:
-            return {}
+        info = path.stat()
+    except FileNotFoundError:
+        return {}, None
+    except OSError as e:
+        return {}, e.strerror or str(e)
+    if not stat.S_ISREG(info.st_mode):  # a directory, a FIFO (reading one would block), a device
+        return {}, "not a regular file"
+    if info.st_size > MAX_FILE_BYTES:
+        return {}, f"larger than {MAX_FILE_BYTES} bytes"
+    try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(doc, dict) or doc.get("run_id") != run_id or not isinstance(doc.get("peers"), dict):
-        return {}
+    except OSError as e:
+        return {}, e.strerror or str(e)
+    except ValueError:
+        return {}, "not valid JSON"
+    if not isinstance(doc, dict) or not isinstance(doc.get("peers"), dict) or not isinstance(doc.get("run_id"), str):
+        return {}, 'not a peers file (expected {"run_id": ..., "peers": {...}})'
+    if doc["run_id"] != run_id:
+        return {}, None  # another run's peers: nothing wrong, nothing for us
     out: dict[str, dict[str, Any]] = {}
     for peer, e in doc["peers"].items():
         if not isinstance(e, dict) or not isinstance(e.get("seen"), (int, float)) or not isinstance(e.get("maddrs"), list):
@@ -115,4 +135,6 @@ def _read(path: Path, run_id: str) -> dict[str, dict[str, Any]]:
         usable = usable_maddrs(peer, e["maddrs"])
         if usable:
             out[peer] = {"maddrs": usable, "seen": float(e["seen"])}
-    return out
+    if doc["peers"] and not out:
+        return {}, f"none of its {len(doc['peers'])} entries has a usable address (/ip4|ip6/.../tcp/.../p2p/<that peer id>)"
+    return out, None

@@ -227,8 +227,8 @@ class Node:
             self.status.log("others cannot join through this node (it is a client); give them the address of a "
                             "public peer, e.g. the one in your --initial-peers")
         else:
-            self.status.log("to join from another machine: diloco-node join --run-id {} --initial-peers {}".format(
-                spec.run_id, " ".join(addrs) if addrs else "<this node's multiaddr>"))
+            self.status.log("to join from another machine: diloco-node join --run-id {} {}--initial-peers {}".format(
+                spec.run_id, "".join(f"{f} " for f in cfg.join_flags), " ".join(addrs) if addrs else "<this node's multiaddr>"))
         self.metrics.write(
             {
                 "event": "start",
@@ -254,9 +254,10 @@ class Node:
         from diloco_swarm.node.known_peers import known_peers_path, load_known_peers, remember_peers
 
         cfg, run_id = self.cfg, self.spec.run_id
-        known = [a for a in load_known_peers(cfg.state_dir, run_id) if a not in cfg.initial_peers]
+        known = [a for a in load_known_peers(cfg.state_dir, run_id, warn=self.status.log) if a not in cfg.initial_peers]
         n = len(peer_ids_of(known))
         saw = f"the {n} peer{'s' if n != 1 else ''} of run '{run_id}' this node saw before ({known_peers_path(cfg.state_dir)})"
+        them = "them" if n != 1 else "it"
         if cfg.initial_peers:
             try:
                 dht = start_dht(initial_peers=cfg.initial_peers, client_mode=self.client_mode, **dht_args)
@@ -270,7 +271,7 @@ class Node:
                                     **dht_args)
                 except BootstrapFailed:
                     raise err from None
-                self.status.log("rejoined the swarm through them")
+                self.status.log(f"rejoined the swarm through {them}")
                 self.cfg = replace(cfg, initial_peers=known)
                 return dht
             by_peer: dict[str, list[str]] = {}
@@ -287,10 +288,10 @@ class Node:
         except BootstrapFailed:
             if self.stop.requested:
                 raise
-            self.status.log(f"none of them answered; starting a new swarm of run '{run_id}' "
+            self.status.log(f"{'none of them answered' if n != 1 else 'it did not answer'}; starting a new swarm of run '{run_id}' "
                             "(to join a running one, restart with --initial-peers)")
             return start_dht(initial_peers=[], client_mode=self.client_mode, retry_busy_port_s=15.0, **dht_args)
-        self.status.log("rejoined the swarm through them")
+        self.status.log(f"rejoined the swarm through {them}")
         self.cfg = replace(cfg, initial_peers=known)
         return dht
 
@@ -707,6 +708,9 @@ class Node:
                                 "eval_loss": initial_eval})
             self.status.log(f"held-out loss at outer step {self.outer_step}: {initial_eval:.4f}")
             self.last_eval_loss = initial_eval
+            if 0 < self.cfg.max_outer_steps <= self.outer_step:
+                self.status.log(f"outer step {self.outer_step} has reached --max-outer-steps {self.cfg.max_outer_steps}; "
+                                "nothing to train (the limit is the swarm's absolute outer step)")
             while not self.stop.requested and (
                 self.cfg.max_outer_steps <= 0 or self.outer_step < self.cfg.max_outer_steps
             ):

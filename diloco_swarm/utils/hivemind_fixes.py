@@ -22,6 +22,13 @@ of a pipe (hivemind's ``MPFuture``), fetched from the node when the child reads 
 request still queued while the node exits cannot be read any more: the child's loop logs
 ``ConnectionResetError`` with a full traceback on the user's terminal, though nothing is wrong.
 :class:`_QuietPipeErrors` turns exactly those into one debug line.
+
+Busy matchmaking. While a peer looks for a group and no leader is in sight (a lone peer, or the
+first to arrive), hivemind's ``PotentialLeaders`` re-reads the group key from the DHT as soon as
+the previous read returns: about 235 reads a second, which kept the averager and DHT processes at
+~50% of a core each (one lone node: 104% of a core in all, for the whole averaging window).
+:func:`_paced_get_averagers` spaces the reads of one key manager by :data:`MIN_GROUP_POLL_S`; a
+leader that appears is seen at most that much later.
 """
 
 from __future__ import annotations
@@ -33,8 +40,12 @@ import os
 import logging
 import signal
 import sys
+import time
 
 _live_tasks: set[asyncio.Task] = set()
+# between two DHT reads of the group key by one averager; DILOCO_GROUP_POLL_S=0 restores hivemind's
+# unpaced polling (bench/idle.py measures both)
+MIN_GROUP_POLL_S = float(os.environ.get("DILOCO_GROUP_POLL_S", "0.25"))
 
 
 def keep_task_alive(method):
@@ -122,6 +133,21 @@ class _QuietPipeErrors(logging.Filter):
         return True
 
 
+def _paced_get_averagers(get_averagers):
+    """``GroupKeyManager.get_averagers``, at most once per :data:`MIN_GROUP_POLL_S` per key manager."""
+
+    @functools.wraps(get_averagers)
+    async def wrapper(self, *args, **kwargs):
+        wait = getattr(self, "_last_group_poll", float("-inf")) + MIN_GROUP_POLL_S - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self._last_group_poll = time.monotonic()
+        return await get_averagers(self, *args, **kwargs)
+
+    wrapper.__paced__ = True
+    return wrapper
+
+
 def patch_hivemind() -> None:
     """Apply the fixes to hivemind's classes (idempotent; must run before DHTs/averagers fork)."""
     from hivemind.averaging import DecentralizedAverager
@@ -141,6 +167,10 @@ def patch_hivemind() -> None:
         run = cls.__dict__.get("run")
         if run is not None and not getattr(run, "__dies_with_parent__", False):
             setattr(cls, "run", _run_dying_with_parent(run))
+    from hivemind.averaging.key_manager import GroupKeyManager
+
+    if not getattr(GroupKeyManager.get_averagers, "__paced__", False):
+        GroupKeyManager.get_averagers = _paced_get_averagers(GroupKeyManager.get_averagers)
     for name in ("hivemind.dht.dht", "hivemind.averaging.averager"):
         log = logging.getLogger(name)
         if not any(isinstance(f, _QuietPipeErrors) for f in log.filters):
