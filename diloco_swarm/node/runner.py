@@ -37,7 +37,7 @@ from diloco_swarm.node.config import NodeConfig
 from diloco_swarm.node.outer import OuterOptimizer
 from diloco_swarm.node.report import MetricsWriter, StatusLine
 
-WARMUP_INNER_STEPS = 50
+WARMUP_INNER_STEPS = 50  # linear inner-LR warm-up over the swarm's first 50 inner steps
 MAX_DONOR_TRIES = 4
 STATE_CHUNK_TIMEOUT_S = 10.0
 REBOOTSTRAP_EVERY_S = 30.0  # a client alone re-dials its --initial-peers this often
@@ -87,6 +87,7 @@ class StopFlag:
     def __init__(self, status: StatusLine):
         self.event = threading.Event()
         self.status = status
+        self.training = False  # set once set-up is done: before that there is no checkpoint to write
 
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._handle)
@@ -99,7 +100,10 @@ class StopFlag:
                     child.kill()
             os._exit(130)
         self.event.set()
-        self.status.log("stopping: finishing up and writing the checkpoint (press Ctrl+C again to quit at once)")
+        if self.training:
+            self.status.log("stopping: finishing up and writing the checkpoint (press Ctrl+C again to quit at once)")
+        else:
+            self.status.log("stopping: leaving before training starts (press Ctrl+C again to quit at once)")
 
     @property
     def requested(self) -> bool:
@@ -594,7 +598,10 @@ class Node:
             if self.stop.requested:
                 return None, tokens
             t0 = time.monotonic()
-            lr_scale = min(1.0, (self.inner_steps_total + 1) / WARMUP_INNER_STEPS)
+            # Warm up by the swarm's progress (outer step × H), not this peer's own count: a joiner
+            # synced to step t must not take tiny steps, or its own Δ-based norm bounds (allreduce.py)
+            # would reject every honest peer's part in its first round.
+            lr_scale = min(1.0, (self.outer_step * spec.inner_steps + i + 1) / WARMUP_INNER_STEPS)
             for group in self.inner_opt.param_groups:
                 group["lr"] = spec.inner_lr * lr_scale
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -701,6 +708,7 @@ class Node:
                     self.status.log("stopped during start-up")
                     return
                 raise
+            self.stop.training = True
             self._wait_for_peers()
             self._join_sync()
             initial_eval = evaluate(self.model, self.eval_set, self.device)
