@@ -104,3 +104,12 @@ def test_a_fifo_or_directory_never_blocks_and_is_replaced(tmp_path):
     lines = []
     assert load_known_peers(tmp_path, "run", warn=lines.append) == [] and "not a regular file" in lines[0]
     remember_peers(tmp_path, "run", {A: [addr(A)]}, me=ME)  # cannot replace a directory: logged, no raise
+
+
+def test_public_addresses_are_kept_first(tmp_path):
+    maddrs = [addr(A, ip="127.0.0.1"), addr(A, ip="172.17.0.1"), addr(A, ip="10.0.0.5"), addr(A, ip="192.168.1.9"),
+              addr(A, ip="93.184.216.34")]  # a node on 0.0.0.0 with a docker bridge, its public address last
+    remember_peers(tmp_path, "run", {A: maddrs}, me=ME, now=1.0)
+    kept = load_known_peers(tmp_path, "run", now=1.0)
+    assert kept[0] == addr(A, ip="93.184.216.34") and addr(A, ip="127.0.0.1") not in kept
+    assert len(kept) == MAX_MADDRS_PER_PEER

@@ -15,6 +15,7 @@ handshake of a dial checks that the address reaches that peer.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -40,7 +41,8 @@ def known_peers_path(state_dir: Path) -> Path:
 
 def usable_maddrs(peer_id: str, maddrs: Iterable[Any]) -> list[str]:
     """The addresses of ``maddrs`` that parse as multiaddrs and end in ``/p2p/<peer_id>`` (TCP, no relay),
-    deduplicated, at most :data:`MAX_MADDRS_PER_PEER`."""
+    deduplicated, at most :data:`MAX_MADDRS_PER_PEER`: public IPs first, then private, then loopback
+    (a node on 0.0.0.0 lists every interface, docker bridges included)."""
     out: list[str] = []
     for a in maddrs:
         if not isinstance(a, str) or len(a) > 256 or "/p2p-circuit" in a:
@@ -53,9 +55,21 @@ def usable_maddrs(peer_id: str, maddrs: Iterable[Any]) -> list[str]:
             continue
         if str(addr) not in out:
             out.append(str(addr))
-        if len(out) == MAX_MADDRS_PER_PEER:
-            break
-    return out
+    return sorted(out, key=_reach_rank)[:MAX_MADDRS_PER_PEER]
+
+
+def _reach_rank(addr: str) -> int:
+    """0 for a public IP (or a DNS name), 1 for a private one, 2 for loopback or link-local."""
+    parts = addr.split("/")
+    if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+        return 0
+    try:
+        ip = ipaddress.ip_address(parts[2])
+    except ValueError:
+        return 0
+    if ip.is_loopback or ip.is_link_local:
+        return 2
+    return 1 if ip.is_private else 0
 
 
 def load_known_peers(state_dir: Path, run_id: str, *, now: float | None = None,
@@ -82,7 +96,7 @@ def remember_peers(state_dir: Path, run_id: str, seen: Mapping[str, Iterable[Any
 
     Our own peer id and addresses that are not usable (:func:`usable_maddrs`) are left out; the file
     keeps the :data:`MAX_PEERS` most recently seen peers. The write is atomic (temp file + rename).
-    :returns: the number of peers in the file. Errors writing it are logged, never raised.
+    :returns: the number of peers kept. Errors writing the file are logged, never raised.
     """
     path = known_peers_path(state_dir)
     now = time.time() if now is None else now

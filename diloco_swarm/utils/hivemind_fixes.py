@@ -36,8 +36,8 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
-import os
 import logging
+import os
 import signal
 import sys
 import time
@@ -45,7 +45,14 @@ import time
 _live_tasks: set[asyncio.Task] = set()
 # between two DHT reads of the group key by one averager; DILOCO_GROUP_POLL_S=0 restores hivemind's
 # unpaced polling (bench/idle.py measures both)
-MIN_GROUP_POLL_S = float(os.environ.get("DILOCO_GROUP_POLL_S", "0.25"))
+def _poll_interval(default: float = 0.25) -> float:
+    try:
+        return max(0.0, float(os.environ.get("DILOCO_GROUP_POLL_S", default)))
+    except ValueError:
+        return default
+
+
+MIN_GROUP_POLL_S = _poll_interval()
 
 
 def keep_task_alive(method):
