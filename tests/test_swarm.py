@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarmlib import Swarm, load_theta, relative_difference
+from swarmlib import Swarm, load_theta, relative_difference, theta_by_step
 
 pytestmark = [pytest.mark.swarm]
 
@@ -38,11 +38,15 @@ def test_three_peers_train_average_and_agree(tmp_path):
             assert node.events("stop")[-1]["graceful"] is True
 
         # Peers that averaged in the same round hold bit-identical θ_global (canonical int8 round).
+        # After a failed round each applied its own Δ, so the next round's members started from
+        # different θ: they re-sync to the canonical one in that round (theta_by_step: the θ held
+        # at the end of each step, re-syncs included).
         digests = {}
         for node in nodes:
+            held = theta_by_step(node)
             for r in node.outer_steps():
                 if r["round_ok"]:
-                    digests.setdefault(r["outer_step"], {})[node.name] = r["theta_digest"]
+                    digests.setdefault(r["outer_step"], {})[node.name] = held[r["outer_step"]]
         common = [s for s, d in digests.items() if len(d) == 3]
         assert common, digests
         for step in common:
