@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: sync_mode; records carry inner_step_s
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
 RUN_ID_MAX = 64
 
@@ -44,6 +45,9 @@ class RunSpec(BaseModel):
     outer_momentum: float = Field(ge=0, lt=1, allow_inf_nan=False)
     compression: str = "int8"
     seed: int = Field(ge=0)
+    # overlap: the next inner phase runs while Δ is averaged (eager updates, arXiv 2502.12996);
+    # blocking: training waits for each round (DiLoCo, arXiv 2311.08105). Changes what every member applies.
+    sync_mode: Literal["overlap", "blocking"] = "overlap"
 
     def spec_hash(self) -> str:
         """sha256 (16 hex digits) of the canonical JSON of the spec."""

@@ -167,14 +167,17 @@ def test_bad_block_scales_raise(good, bad_scale):
 
 
 def test_injected_nan_scales_are_refused_by_the_receiver():
-    codec.inject_nonfinite_scales(True)
-    try:
-        buf = encode(gaussian(3000))
-    finally:
-        codec.inject_nonfinite_scales(False)
+    """The ``--fault nan`` codec (node/faults.py) sends parts that every receiver refuses."""
+    from hivemind.compression import CompressionInfo
+
+    from diloco_swarm.node.faults import _nonfinite_scales_averager
+
+    faulty = _nonfinite_scales_averager().compressions["int8"]()
+    values = gaussian(3000)
+    message = faulty.compress(values, CompressionInfo.from_tensor(values))
     with pytest.raises(CodecError, match="scales"):
-        decode(buf)
-    decode(encode(gaussian(3000)))  # the fault is off again
+        codec.Int8BlockwiseCodec().extract(message)
+    decode(encode(values))  # the honest codec is untouched
 
 
 def test_wrong_expected_numel_raises(good):

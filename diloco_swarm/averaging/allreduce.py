@@ -36,7 +36,6 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_
 
 logger = get_logger(__name__)
 
-STALL_MARKER = None  # test-only fault: a pathlib.Path; set by --fault stall-allreduce
 MAX_SENDER_WEIGHT = 1e12  # tokens; far above any honest round
 _RMS_FLOOR = 1e-3  # absolute RMS an incoming part may always have (covers an all-zero local part)
 
@@ -150,14 +149,9 @@ class ConsensusAllReduceRunner(AllReduceRunner):
             raise
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
-        first = True
         async for message in super()._generate_input_for_peer(peer_index):
             self.stats.bytes_sent += len(message.tensor_part.buffer)
             yield message
-            if first and STALL_MARKER is not None:  # test-only: hang mid all-reduce, after the first part
-                first = False
-                STALL_MARKER.touch()
-                await asyncio.sleep(3600)
 
     def _check_sender_part(self, part_index: int, tensor_part: torch.Tensor, weight: float, compression) -> str | None:
         if compression != self._compression.compression_type:

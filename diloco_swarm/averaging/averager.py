@@ -25,6 +25,7 @@ import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.control import AveragingStage
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
@@ -48,6 +49,8 @@ class _QuietExpectedFailures(logging.Filter):
 
 
 logging.getLogger("hivemind.averaging.averager").addFilter(_QuietExpectedFailures())
+
+_STILL_LOOKING = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
 
 FAILED_MARK = "failed"  # published under the round key by a member whose round was partial
 
@@ -118,6 +121,9 @@ class PseudoGradientAverager(DecentralizedAverager):
         Δ's norm is discarded (hostile or broken peer); also bounds each incoming part's RMS.
     """
 
+    compressions: dict[str, type[CompressionBase]] = COMPRESSIONS  # by --compression; faults.py swaps in broken ones
+    allreduce_runner_type: type[ConsensusAllReduceRunner] = ConsensusAllReduceRunner
+
     def __init__(
         self,
         tensors: Sequence[torch.Tensor],
@@ -137,6 +143,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         if compression not in COMPRESSIONS:
             raise ValueError(f"unknown compression {compression!r}; choose one of {', '.join(COMPRESSIONS)}")
         self.compression_name = compression
+        codec = type(self).compressions[compression]()
         self.max_norm_ratio = max_norm_ratio
         self._round_stats: dict[str, RoundStats] = {}
         self._state_provider = state_provider
@@ -157,7 +164,7 @@ class PseudoGradientAverager(DecentralizedAverager):
                 request_timeout=max(0.5, min(3.0, matchmaking_time / 3)),  # hivemind: must be < matchmaking time
                 allreduce_timeout=allreduce_timeout,
                 next_chunk_timeout=next_chunk_timeout,
-                compression=COMPRESSIONS[compression](),
+                compression=codec,
                 client_mode=client_mode,
                 allow_state_sharing=state_provider is not None and not client_mode,
                 declare_state_period=10.0,
@@ -172,7 +179,7 @@ class PseudoGradientAverager(DecentralizedAverager):
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
         stats = RoundStats()
-        runner = ConsensusAllReduceRunner(
+        runner = self.allreduce_runner_type(
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -289,6 +296,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         timeout: float,
         digest_wait: float = 15.0,
         stop: threading.Event | None = None,
+        give_up: threading.Event | None = None,
+        scheduled_time: float | None = None,
     ) -> tuple[RoundResult, list[torch.Tensor]]:
         """Average ``delta`` with a group of peers; return the verified result.
 
@@ -300,6 +309,10 @@ class PseudoGradientAverager(DecentralizedAverager):
             (returns as soon as all arrived or one differs); a member still silent then makes
             the round failed.
         :param stop: when set, the round in flight is abandoned (graceful leave).
+        :param give_up: when set while still looking for a group, stop looking (a solo round);
+            a group that already formed finishes its all-reduce.
+        :param scheduled_time: DHT time at which the all-reduce should begin (hivemind's
+            ``step(scheduled_time=...)``): the leader waits for followers until then.
         :returns: the round's result and the Δ to apply: the group's average when ``ok``,
             else a copy of ``delta``.
         """
@@ -309,7 +322,10 @@ class PseudoGradientAverager(DecentralizedAverager):
             for buf, d in zip(buffers, local):
                 buf.copy_(d)
         try:
-            control = self.step(weight=float(weight), gather=metadata, timeout=timeout, allow_retries=True, wait=False)
+            if scheduled_time is not None:
+                scheduled_time = min(scheduled_time, get_dht_time() + 0.9 * timeout)
+            control = self.step(weight=float(weight), gather=metadata, timeout=timeout, allow_retries=True, wait=False,
+                                scheduled_time=scheduled_time)
             while True:
                 try:
                     control = control.result(timeout=0.25)
@@ -318,6 +334,9 @@ class PseudoGradientAverager(DecentralizedAverager):
                     if stop is not None and stop.is_set():
                         control.cancel()
                         return self._solo(started, reason="stopping"), local
+                    if give_up is not None and give_up.is_set() and control.stage in _STILL_LOOKING:
+                        control.cancel()
+                        return self._solo(started, reason="no group before the next inner phase ended"), local
         except Exception as e:  # no group in the window, or the all-reduce failed outright
             return self._solo(started, reason=_short_reason(e)), local
         if control is None:

@@ -40,15 +40,6 @@ MAX_VALUES_PER_PART = 1 << 31  # hivemind splits tensors into parts far below th
 _ALLOWED_BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 
 
-_fault_nonfinite_scales = False  # test-only: make this peer send NaN block scales
-
-
-def inject_nonfinite_scales(enabled: bool) -> None:
-    """Fault injection for tests: encoded buffers carry NaN block scales (a broken peer)."""
-    global _fault_nonfinite_scales
-    _fault_nonfinite_scales = enabled
-
-
 class CodecError(ValueError):
     """A tensor cannot be encoded (non-finite, wrong dtype) or a received buffer is malformed."""
 
@@ -105,8 +96,6 @@ def encode(values: torch.Tensor, blocksize: int = BLOCKSIZE) -> bytes:
         raise CodecError(f"refusing to encode {bad} non-finite value(s) out of {n_values}")
     codes, state = _bnb_functional().quantize_blockwise(flat, code=_dynamic_code(), blocksize=blocksize)
     absmax = state.absmax.to(torch.float32).numpy()
-    if _fault_nonfinite_scales:
-        absmax = np.full_like(absmax, np.nan)
     return b"".join((header, absmax.astype("<f4").tobytes(), codes.numpy().tobytes()))
 
 

@@ -57,6 +57,11 @@ class Compression(str, Enum):
     fp32 = "fp32"
 
 
+class SyncMode(str, Enum):
+    overlap = "overlap"
+    blocking = "blocking"
+
+
 def fail(message: str, code: int = USAGE_ERROR) -> "typer.Exit":
     """Print ``error: message`` as one line on stderr; return the ``typer.Exit`` to raise."""
     # paths, globs and peer errors may hold newlines, terminal escapes or [brackets]
@@ -88,6 +93,7 @@ def join(
     outer_lr: Annotated[float, typer.Option(help="Outer SGD learning rate (> 0).", rich_help_panel=TRAINING)] = 0.7,
     outer_momentum: Annotated[float, typer.Option(min=0.0, max=0.999, help="Outer Nesterov momentum (0 = plain SGD).", rich_help_panel=TRAINING)] = 0.9,
     compression: Annotated[Compression, typer.Option(help="Pseudo-gradient encoding on the wire.", rich_help_panel=TRAINING)] = Compression.int8,
+    sync_mode: Annotated[SyncMode, typer.Option(help="overlap: keep training while the group averages, apply the outer step one round late (eager updates, arXiv 2502.12996); blocking: wait for each round (plain DiLoCo). See docs/architecture.md.", rich_help_panel=TRAINING)] = SyncMode.overlap,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the initial weights (shared) and of each peer's data order (mixed with its peer id).", rich_help_panel=TRAINING)] = 0,
     batch_size: Annotated[int, typer.Option(min=1, help="Sequences per inner step on this node.", rich_help_panel=LOCAL)] = 16,
     device: Annotated[Device, typer.Option(help="Where the inner steps run; auto = cuda, else mps, else cpu. CUDA trains in bf16 autocast.", rich_help_panel=LOCAL)] = Device.auto,
@@ -102,6 +108,8 @@ def join(
     matchmaking_time: Annotated[float, typer.Option(min=0.5, help="Seconds a group leader waits for more peers before averaging starts.", rich_help_panel=AVERAGING)] = 5.0,
     averaging_window: Annotated[float, typer.Option(min=1.0, help="Seconds to look for a group before going solo for this outer step.", rich_help_panel=AVERAGING)] = 30.0,
     allreduce_timeout: Annotated[float, typer.Option(min=1.0, help="Seconds the all-reduce may take once a group formed.", rich_help_panel=AVERAGING)] = 60.0,
+    eval_budget: Annotated[float, typer.Option(min=0.0, max=1.0, help="Evaluate the held-out loss after an outer step only while evaluation has taken less than this share of wall time (0.02 = 2%); the last value is reported in between.", rich_help_panel=LOCAL)] = 0.02,
+    slowdown: Annotated[float, typer.Option(hidden=True, min=1.0, help="Test/bench-only: make each inner step take this many times as long.")] = 1.0,
     fault: Annotated[str, typer.Option(hidden=True, help="Test-only fault injection: nan | huge | stall-allreduce.")] = "",
     debug_dump_rounds: Annotated[Optional[Path], typer.Option(hidden=True, help="Test-only: save each round's local and applied pseudo-gradient here.")] = None,
 ) -> None:
@@ -115,7 +123,7 @@ def join(
     from diloco_swarm.node.config import NodeConfig
     from diloco_swarm.spec import RunSpec, run_id_problem
 
-    if fault not in ("", "nan", "huge", "stall-allreduce"):
+    if fault not in ("", "nan", "huge", "stall-allreduce"):  # the names of node/faults.py (not imported: it loads torch)
         raise fail(f"--fault must be nan, huge or stall-allreduce, got '{fault}'")
     if matchmaking_time >= averaging_window:
         raise fail("--matchmaking-time must be shorter than --averaging-window")
@@ -133,6 +141,7 @@ def join(
             outer_momentum=outer_momentum,
             compression=compression.value,
             seed=seed,
+            sync_mode=sync_mode.value,
         )
     except ValidationError as e:
         first = e.errors()[0]
@@ -175,11 +184,13 @@ def join(
         max_dataset_bytes=max_dataset_bytes,
         name=name,
         wait_for_peers=wait_for_peers,
+        eval_budget=eval_budget,
+        slowdown=slowdown,
         fault=fault,
         debug_dump_rounds=debug_dump_rounds,
         join_flags=_spec_flags_to_repeat(dataset=dataset, model=model.value, inner_steps=inner_steps, seq_len=seq_len,
                                          inner_lr=inner_lr, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                                         compression=compression.value, seed=seed,
+                                         compression=compression.value, seed=seed, sync_mode=sync_mode.value,
                                          max_dataset_bytes=max_dataset_bytes if dataset is not None else None),
     )
     run_node(config)
@@ -207,11 +218,12 @@ def run_node(config) -> None:
     from diloco_swarm.data import DatasetError
     from diloco_swarm.dht.swarm import SwarmError
     from diloco_swarm.node.checkpoint import CheckpointError
-    from diloco_swarm.node.runner import Node, NodeError
+    from diloco_swarm.node.faults import node_type
+    from diloco_swarm.node.runner import NodeError
     from diloco_swarm.spec import SpecMismatch
 
     try:
-        Node(config).run()
+        node_type(config.fault, config.slowdown)(config).run()
     except (DatasetError, SwarmError, SpecMismatch, CheckpointError, NodeError, CodecError) as e:
         raise fail(str(e))
     except OSError as e:

@@ -87,6 +87,9 @@ class PeerRecord(pv1.BaseModel):
     updated: pv1.confloat(strict=True, ge=0.0, le=MAX_TIME)
     # where others can dial this peer ([] for a client); restarts dial them (node/known_peers.py)
     maddrs: pv1.conlist(pv1.constr(strict=True, max_length=MAX_MADDR), max_items=MAX_MADDRS) = []
+    # seconds per inner step in the last phase (0 = not measured yet): peers size their phases by the
+    # swarm's median (DyLU, node/runner.py)
+    inner_step_s: pv1.confloat(strict=True, ge=0.0, le=MAX_SECONDS) = 0.0
 
     class Config:
         extra = pv1.Extra.forbid

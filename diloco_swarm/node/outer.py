@@ -57,6 +57,32 @@ class OuterOptimizer:
             theta.grad = None
 
     @torch.no_grad()
+    def preview(self, delta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """θ_global after :meth:`step` with grad = ``delta``, without changing θ_global or the momentum.
+
+        The eager local update of overlapped DiLoCo (Kale et al., arXiv 2502.12996): the next inner
+        phase starts from the outer step our own Δ would give, while the group's average is in flight.
+        Same arithmetic as ``torch.optim.SGD`` (dampening 0, no weight decay), so a solo round's
+        :meth:`step` lands exactly on the preview.
+
+        :param delta: fp32 tensors shaped like θ_global.
+        :returns: new fp32 CPU tensors shaped like θ_global.
+        :raises ValueError: ``delta`` has another count or shapes than θ_global.
+        """
+        self._check_like_theta(delta, "the outer gradient")
+        group = self.optimizer.param_groups[0]
+        lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
+        out = []
+        for theta, d in zip(self.theta, delta):
+            grad = d.to(torch.float32)
+            if momentum != 0:
+                buf = self.optimizer.state.get(theta, {}).get("momentum_buffer")
+                buf = grad.clone() if buf is None else buf.mul(momentum).add_(grad)
+                grad = grad.add(buf, alpha=momentum) if nesterov else buf
+            out.append(theta.add(grad, alpha=-lr))
+        return out
+
+    @torch.no_grad()
     def copy_to(self, params: Iterable[nn.Parameter]) -> None:
         """θ_local ← θ_global."""
         for p, theta in zip(params, self.theta):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ class MetricsWriter:
     def __init__(self, path: Path | None):
         self.path = path
         self._file = None
+        self._lock = threading.Lock()  # the training thread and the housekeeping thread both write
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a", encoding="utf-8")
@@ -56,8 +58,10 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
             line = json.dumps(finite_or_null({"time": round(time.time(), 3), **record}), allow_nan=False, default=str)
-            self._file.write(line + "\n")
-            self._file.flush()
+            with self._lock:
+                if self._file is not None:
+                    self._file.write(line + "\n")
+                    self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:

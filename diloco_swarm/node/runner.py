@@ -15,6 +15,7 @@ all-reduce timeout.
 from __future__ import annotations
 
 import contextlib
+import copy
 import multiprocessing as mp
 import os
 import random
@@ -35,12 +36,33 @@ from diloco_swarm.node.checkpoint import (CheckpointError, checkpoint_path, load
                                           remove_stale_temp_files, save_checkpoint)
 from diloco_swarm.node.config import NodeConfig
 from diloco_swarm.node.outer import OuterOptimizer
+from diloco_swarm.node.outer_sync import Handoff, OuterSync, RoundControl, RoundOutcome
 from diloco_swarm.node.report import MetricsWriter, StatusLine
+from diloco_swarm.utils.worker import Worker
 
 WARMUP_INNER_STEPS = 50  # linear inner-LR warm-up over the swarm's first 50 inner steps
 MAX_DONOR_TRIES = 4
 STATE_CHUNK_TIMEOUT_S = 10.0
 REBOOTSTRAP_EVERY_S = 30.0  # a client alone re-dials its --initial-peers this often
+CHECKPOINT_WRITE_TIMEOUT_S = 30.0  # a graceful leave waits this long for the last checkpoint write
+MIN_INNER_STEPS_FRACTION = 0.25  # DyLU range: a phase plans H/4 .. 2H inner steps
+MAX_INNER_STEPS_FACTOR = 2
+MAX_PHASE_BATCHES = 1 << 40  # a phase extended while a round runs draws batches until the round ends
+ROUND_MARGIN_S = 30.0  # past the round's own time bounds, the phase gives the round up
+ROUND_GIVE_UP_S = 15.0  # ... and waits this long for it to end
+DIGEST_WAIT_S = 15.0  # a round waits this long for every member's digest of the average
+
+
+@dataclass
+class DownloadedState:
+    """A peer's checked state (θ_global + outer momentum tensors, fp32 CPU) and where it came from."""
+
+    donor: str
+    meta: dict[str, Any]
+    tensors: list[torch.Tensor]
+    received: int  # bytes
+    seconds: float
+    reason: str  # join | diverged | lagging
 
 
 class NodeError(Exception):
@@ -72,8 +94,9 @@ class Clock:
 
     inner_s: float = 0.0  # all inner steps
     wasted_inner_s: float = 0.0  # inner steps whose Δ was thrown away (state re-sync, stop)
-    averaging_s: float = 0.0  # matchmaking + all-reduce + verification
+    averaging_s: float = 0.0  # the training thread waiting for a round (blocking mode: the whole round)
     sync_s: float = 0.0  # waiting for peers and downloading state
+    eval_s: float = 0.0  # held-out evaluation on the training thread
     started: float = 0.0
 
     def goodput(self) -> float:
@@ -138,10 +161,15 @@ class Node:
         self.maddrs: list[str] = []  # where others can dial us (empty until the DHT runs)
         self._last_rebootstrap = 0.0
         self._state_lock = threading.Lock()  # θ_global is read by the donation thread
+        self.sync: OuterSync | None = None
+        self._housekeeping = Worker("housekeeping")  # checkpoint writes, DHT upkeep
+        self._last_checkpoint = None  # future of the newest checkpoint write
+        self.inner_step_s: float | None = None  # this peer's seconds per inner step (last phase)
+        self.swarm_inner_step_s: float | None = None  # the online peers' median (DyLU)
+        self.last_eval_step = 0
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
-        from diloco_swarm.averaging.averager import PseudoGradientAverager
         from diloco_swarm.dht.swarm import StateDirLock, ensure_run_spec, start_dht, visible_maddrs
 
         cfg, spec = self.cfg, self.spec
@@ -170,7 +198,14 @@ class Node:
                 f"--seq-len {spec.seq_len} exceeds the '{spec.model}' model's context of {self.model.config.block_size}"
             )
         self.params = list(self.model.parameters())
+        self.eval_model = build_model(spec.model, seed=spec.seed).to(self.device)  # holds θ_global for evaluation
+        self.eval_params = list(self.eval_model.parameters())
         self.outer = OuterOptimizer(self.params, lr=spec.outer_lr, momentum=spec.outer_momentum)
+        self.sync = OuterSync(self.outer, self.params, self._run_round, overlap=spec.sync_mode == "overlap")
+        self.min_inner_steps = max(1, round(spec.inner_steps * MIN_INNER_STEPS_FRACTION))
+        self.max_inner_steps = spec.inner_steps * MAX_INNER_STEPS_FACTOR
+        # a round ends by itself within: the averaging window, the all-reduce, the digest confirmation
+        self.round_deadline_s = cfg.averaging_window + cfg.allreduce_timeout + DIGEST_WAIT_S + ROUND_MARGIN_S
         self.inner_opt = torch.optim.AdamW(self.params, lr=spec.inner_lr, betas=(0.9, 0.95), weight_decay=0.1)
         self.outer_step = 0
         self.inner_steps_total = 0
@@ -183,12 +218,6 @@ class Node:
 
         if spec.compression == "int8":
             codec.encode(torch.zeros(1))  # import bitsandbytes (~5 s) now, not inside our first round
-        if cfg.fault == "nan":
-            codec.inject_nonfinite_scales(True)
-        elif cfg.fault == "stall-allreduce":
-            from diloco_swarm.averaging import allreduce
-
-            allreduce.STALL_MARKER = cfg.state_dir / "allreduce-stalled"
 
         from diloco_swarm.dht.records import PeerRecordPublisher, record_validators
 
@@ -206,7 +235,7 @@ class Node:
             self.dht = start_dht(initial_peers=cfg.initial_peers, client_mode=True, retry_busy_port_s=15.0, **dht_args)
         self.sampler = BatchSampler(self.corpus.train, cfg.batch_size, spec.seq_len, seed=spec.seed, stream_id=self.peer_id)
         self.eval_set = held_out_batches(self.corpus.held_out, cfg.batch_size, spec.seq_len, cfg.eval_batches)
-        self.averager = PseudoGradientAverager(
+        self.averager = self._averager_type()(
             [t.clone() for t in self.outer.theta],
             self.dht,
             prefix=spec.run_id,
@@ -400,6 +429,7 @@ class Node:
             "goodput": min(1.0, max(0.0, self.clock.goodput())),
             "uptime_s": time.monotonic() - self.clock.started,
             "maddrs": [] if self.client_mode else self.maddrs,  # a client cannot be dialed
+            "inner_step_s": float(self.inner_step_s or 0.0),
         }
 
     # ------------------------------------------------------------------ state transfer
@@ -436,12 +466,40 @@ class Node:
 
     def _sync_state(self, *, min_step: int, reason: str, candidates: list[str] | None = None,
                     attempts: int = 1) -> bool:
-        """Download θ_global, outer momentum and outer step from a live peer.
+        """Download a live peer's state and adopt it now (before training: join sync).
+        :returns: True when a state was adopted."""
+        state = self._download_state(min_step=min_step, reason=reason, candidates=candidates, attempts=attempts)
+        if state is None:
+            return False
+        self._adopt_state(state)
+        self._checkpoint()
+        return True
+
+    def _adopt_state(self, state: "DownloadedState") -> None:
+        """θ_global, outer momentum and outer step ← a downloaded state; θ_local ← θ_global."""
+        n = len(self.outer.theta)
+        with self._state_lock:
+            before = self.outer_step
+            self.outer.load_theta_and_momentum(state.tensors[:n], state.tensors[n:])
+            self.outer.copy_to(self.params)
+            self.outer_step = state.meta["outer_step"]
+        self.state_syncs += 1
+        self.clock.sync_s += state.seconds
+        self.metrics.write({"event": "state_sync", "peer_id": self.peer_id, "donor": state.donor,
+                            "reason": state.reason, "from_outer_step": before, "outer_step": self.outer_step,
+                            "bytes": state.received, "seconds": round(state.seconds, 3),
+                            "theta_digest": state.meta["theta_digest"]})
+        self.status.log(f"state sync ({state.reason}): outer step {before} -> {self.outer_step} from {state.donor} "
+                        f"({state.received / 1e6:.1f} MB in {state.seconds:.1f}s)")
+
+    def _download_state(self, *, min_step: int, reason: str, candidates: list[str] | None = None,
+                        attempts: int = 1) -> "DownloadedState | None":
+        """Download θ_global, outer momentum and outer step from a live peer (any thread; adopts nothing).
 
         Donors: ``candidates`` if given, else the most advanced peers that share state (a random
         one first, so no single donor is choked), then the others. Each payload is checked
         against the run spec before use; a failed or bad donor is skipped.
-        :returns: True when a state was adopted.
+        :returns: the checked state, or None when no donor gave a usable one.
         """
         max_bytes = 2 * sum(t.numel() for t in self.outer.theta) * 4 + (1 << 20)
         t0 = time.monotonic()
@@ -473,26 +531,11 @@ class Node:
                     if "older than" not in problem:
                         self.status.log(f"refused the state of {peer}: {problem}")
                     continue
-                n = len(self.outer.theta)
-                with self._state_lock:
-                    before = self.outer_step
-                    self.outer.load_theta_and_momentum(tensors[:n], tensors[n:])
-                    self.outer.copy_to(self.params)
-                    self.outer_step = meta["outer_step"]
-                self._checkpoint()
-                self.state_syncs += 1
-                seconds = time.monotonic() - t0
-                self.clock.sync_s += seconds
-                self.metrics.write({"event": "state_sync", "peer_id": self.peer_id, "donor": peer,
-                                    "reason": reason, "from_outer_step": before, "outer_step": self.outer_step,
-                                    "bytes": received, "seconds": round(seconds, 3),
-                                    "theta_digest": meta["theta_digest"]})
-                self.status.log(f"state sync ({reason}): outer step {before} -> {self.outer_step} from {peer} "
-                                f"({received / 1e6:.1f} MB in {seconds:.1f}s)")
-                return True
+                return DownloadedState(donor=peer, meta=meta, tensors=tensors, received=received,
+                                       seconds=time.monotonic() - t0, reason=reason)
             if attempt + 1 < attempts:
                 time.sleep(0.5)
-        return False
+        return None
 
     def _wait_for_peers(self) -> None:
         """Optional start barrier (``--wait-for-peers N``): wait until N peers, us included, are up."""
@@ -540,11 +583,12 @@ class Node:
             self.status.log(f"could not download the swarm's state (outer step {newest}); "
                             f"continuing from outer step {self.outer_step}")
 
-    def _reconcile(self, gathered: dict[str, Any], mine: tuple[int, str]) -> None:
+    def _reconcile(self, gathered: dict[str, Any], mine: tuple[int, str]) -> "DownloadedState | None":
         """After a round: if the group's members started it from different θ_global, the
         members not holding the canonical one (among states a member can donate: newest outer
-        step, then most members, then digest order) re-sync from one that does; and a peer more than one outer step behind
-        the swarm's newest re-syncs too (lagging peer)."""
+        step, then most members, then digest order) download it from one that does; and a peer more
+        than one outer step behind the swarm's newest downloads too (lagging peer).
+        :returns: the state to adopt instead of applying the round, or None."""
         entries: dict[str, tuple[int, str]] = {}
         for peer, meta in gathered.items():
             if isinstance(meta, dict) and isinstance(meta.get("outer_step"), int) and isinstance(
@@ -561,25 +605,27 @@ class Node:
             canonical = max(votes, key=lambda e: (e[0], votes[e], e[1]))
             if mine != canonical:
                 holders = [p for p, e in entries.items() if e == canonical]
-                self._sync_state(min_step=canonical[0] + 1, reason="diverged", candidates=holders, attempts=6)
-                return
-        if donors and max(donors.values()) > self.outer_step + 1:
-            self._sync_state(min_step=int(max(donors.values())), reason="lagging")
+                return self._download_state(min_step=canonical[0] + 1, reason="diverged", candidates=holders,
+                                            attempts=6)
+        if donors and max(donors.values()) > mine[0] + 1:
+            return self._download_state(min_step=int(max(donors.values())), reason="lagging")
+        return None
 
     def _checkpoint(self) -> None:
-        save_checkpoint(
-            self.cfg.state_dir,
-            {
-                "spec": self.spec.model_dump(),
-                "spec_hash": self.spec.spec_hash(),
-                "peer_id": self.peer_id,
-                "outer_step": self.outer_step,
-                "inner_steps_total": self.inner_steps_total,
-                "tokens_total": self.tokens_total,
-                "outer": self.outer.state_dict(),
-                "inner_optimizer": self.inner_opt.state_dict(),
-            },
-        )
+        save_checkpoint(self.cfg.state_dir, self._checkpoint_state())
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        """A consistent copy of what the checkpoint holds (tensors cloned: it may be written later)."""
+        return copy.deepcopy({
+            "spec": self.spec.model_dump(),
+            "spec_hash": self.spec.spec_hash(),
+            "peer_id": self.peer_id,
+            "outer_step": self.outer_step,
+            "inner_steps_total": self.inner_steps_total,
+            "tokens_total": self.tokens_total,
+            "outer": self.outer.state_dict(),
+            "inner_optimizer": self.inner_opt.state_dict(),
+        })
 
     # ------------------------------------------------------------------ training
     def _autocast(self):
@@ -587,41 +633,102 @@ class Node:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _inner_steps(self) -> tuple[float | None, int]:
-        """H inner steps; returns (mean training loss, tokens). Stops early when asked to."""
+    def _phase_steps(self) -> int:
+        """Inner steps of the next phase: Dynamic Local Updates (DyLU, Liu et al., arXiv 2401.09135).
+
+        A peer does H × (the swarm's median seconds per inner step ÷ its own), within
+        [``min_inner_steps``, ``max_inner_steps``], so fast and slow peers finish their phases together.
+        Token-weighted averaging weights their Δ by the tokens they trained. Alone, or before the
+        first measurements, it is H.
+        """
+        H = self.spec.inner_steps
+        mine, swarm = self.inner_step_s, self.swarm_inner_step_s
+        if not mine or not swarm:
+            return H
+        return max(self.min_inner_steps, min(self.max_inner_steps, round(H * swarm / mine)))
+
+    def _inner_phase(self) -> Handoff | None:
+        """One inner phase: DyLU-sized, extended while the previous round is still in flight.
+
+        A round that finishes during the phase is applied between two inner steps. A round still
+        running when the phase has its steps does not stop training: the phase goes on until the
+        round ends, which its own time bounds guarantee (the averaging window, then the all-reduce
+        and confirmation timeouts). Past those bounds plus a margin the round is given up.
+        :returns: the phase's hand-off, or None when a stop was requested (its steps are dropped).
+        :raises Diverged: the pseudo-gradient is not finite.
+        :raises NodeError: the averaging thread did not end a round long after its time bounds.
+        """
         spec, cfg = self.spec, self.cfg
+        target = self._phase_steps()
+        # data and LR warm-up follow the swarm's progress (outer step × H): a joiner synced to step t
+        # must not take tiny steps, or its own Δ-based norm bounds would reject every honest part
+        phase_index = self.outer_step + int(self.sync.in_flight)
         self.model.train()
-        losses, tokens = [], 0
-        t_last = time.monotonic()
-        tokens_window = 0
-        for i, (x, y) in enumerate(self.sampler.batches_for_outer_step(self.outer_step, spec.inner_steps)):
+        losses, tokens, steps = [], 0, 0
+        t_phase = t_last = time.monotonic()
+        inner_before, tokens_window = self.clock.inner_s, 0
+        for i, (x, y) in enumerate(self.sampler.batches_for_outer_step(phase_index, MAX_PHASE_BATCHES)):
             if self.stop.requested:
-                return None, tokens
+                self.clock.wasted_inner_s += self.clock.inner_s - inner_before
+                return None
             t0 = time.monotonic()
-            # Warm up by the swarm's progress (outer step × H), not this peer's own count: a joiner
-            # synced to step t must not take tiny steps, or its own Δ-based norm bounds (allreduce.py)
-            # would reject every honest peer's part in its first round.
-            lr_scale = min(1.0, (self.outer_step * spec.inner_steps + i + 1) / WARMUP_INNER_STEPS)
+            lr_scale = min(1.0, (phase_index * spec.inner_steps + i + 1) / WARMUP_INNER_STEPS)
             for group in self.inner_opt.param_groups:
                 group["lr"] = spec.inner_lr * lr_scale
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with self._autocast():
-                _, loss = self.model(x, y)
-            self.inner_opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-            self.inner_opt.step()
-            self.inner_steps_total += 1
-            losses.append(loss.item())
-            tokens += x.numel()
-            tokens_window += x.numel()
+            loss = self._inner_step(x, y)
+            steps, tokens, tokens_window = steps + 1, tokens + x.numel(), tokens_window + x.numel()
+            losses.append(loss)
             self.clock.inner_s += time.monotonic() - t0
+            if self.sync.done():
+                self._apply_round()
             now = time.monotonic()
-            if now - t_last >= 1.0 or i + 1 == spec.inner_steps:
-                self._status(inner_step=i + 1, loss=sum(losses[-20:]) / len(losses[-20:]),
+            if now - t_last >= 1.0:
+                self._status(inner_step=steps, loss=sum(losses[-20:]) / len(losses[-20:]),
                              tokens_per_s=tokens_window / max(now - t_last, 1e-9))
                 t_last, tokens_window = now, 0
-        return (sum(losses) / len(losses) if losses else None), tokens
+            if steps >= target:
+                if not self.sync.in_flight:
+                    break
+                if self.sync.overdue(self.round_deadline_s):
+                    self._give_up_round()
+                    break
+        inner_s = self.clock.inner_s - inner_before
+        self.inner_step_s = inner_s / steps
+        self.round_tokens_per_s = tokens / max(inner_s, 1e-9)
+        self._status(inner_step=steps, loss=sum(losses[-20:]) / len(losses[-20:]), tokens_per_s=self.round_tokens_per_s)
+        delta = self.outer.pseudo_gradient(self.params)
+        if not all(torch.isfinite(d).all() for d in delta):
+            raise Diverged(
+                f"training diverged at outer step {self.outer_step}: the pseudo-gradient has non-finite "
+                f"values; the last good checkpoint is kept. If it happens again after a restart, the run's "
+                f"--inner-lr is too high for this model: start a new run (another --run-id) with a lower one"
+            )
+        return Handoff(delta=delta, tokens=tokens, inner_steps=steps, inner_s=inner_s,
+                       loss=sum(losses) / len(losses), outer_step=self.outer_step,
+                       theta_digest=_theta_digest(self.outer.theta), started=time.monotonic())
+
+    def _give_up_round(self) -> None:
+        """The round in flight outlived its own time bounds: stop looking for a group and apply
+        what it has within seconds; a round that still does not end stops the node."""
+        self.sync.give_up_matchmaking()
+        try:
+            self._apply_round(wait=True, timeout=ROUND_GIVE_UP_S)
+        except TimeoutError:
+            raise NodeError(f"the averaging round of outer step {self.outer_step} did not end within "
+                            f"{self.round_deadline_s + ROUND_GIVE_UP_S:.0f}s of its start; the averager is stuck. "
+                            "The last checkpoint is kept; restart the node") from None
+
+    def _inner_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One AdamW step on one batch ([B, T] int64 inputs and targets); returns its loss (nats/token)."""
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        with self._autocast():
+            _, loss = self.model(x, y)
+        self.inner_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.inner_opt.step()
+        self.inner_steps_total += 1
+        return loss.item()
 
     def _status(self, force: bool = False, **fields) -> None:
         self._status_fields = {**getattr(self, "_status_fields", {}), **fields}
@@ -639,13 +746,14 @@ class Node:
             force=force,
         )
 
-    def _dump_round(self, local, applied, tokens: int, result) -> None:
+    def _dump_round(self, handoff: Handoff, applied, result) -> None:
         """Test-only (hidden ``--debug-dump-rounds``): what we contributed and what we applied."""
+        local, tokens = handoff.delta, handoff.tokens
         self.cfg.debug_dump_rounds.mkdir(parents=True, exist_ok=True)
-        torch.save({"outer_step": self.outer_step, "peer_id": self.peer_id, "ok": result.ok, "weight": tokens,
+        torch.save({"outer_step": handoff.outer_step, "peer_id": self.peer_id, "ok": result.ok, "weight": tokens,
                     "group": result.group_peer_ids, "group_id": result.group_id, "reason": result.reason,
                     "local": [d.detach().cpu().clone() for d in local], "applied": [a.detach().cpu().clone() for a in applied]},
-                   self.cfg.debug_dump_rounds / f"{self.outer_step}-{self.peer_id}-{result.group_id[:12] or 'solo'}.pt")
+                   self.cfg.debug_dump_rounds / f"{handoff.outer_step}-{self.peer_id}-{result.group_id[:12] or 'solo'}.pt")
 
     def _public_peer_online(self) -> bool:
         """Whether a group can form for us: always for a full peer; a client needs a public peer."""
@@ -665,9 +773,97 @@ class Node:
             return bool(self.averager.donors())
         return False
 
-    def _average(self, delta: list[torch.Tensor], tokens: int, theta_digest: str):
+    def _others_online(self) -> bool:
+        """Whether any other peer of the run is online (a donor, or a live signed record)."""
+        from diloco_swarm.dht.records import read_peer_records
+
+        return bool(self.averager.donors()) or any(p != self.peer_id for p in read_peer_records(self.dht, self.spec.run_id))
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        """Set up, train until ``max_outer_steps`` or a stop signal, then leave cleanly.
+
+        Each iteration is one DiLoCo outer step (arXiv 2311.08105, Algorithm 1): an inner phase,
+        then Δ goes to the averaging. In overlap mode the round runs on the averaging thread
+        during the next inner phase and is applied between two inner steps (node/outer_sync.py).
+
+        :raises NodeError, CheckpointError, SwarmError, SpecMismatch, DatasetError: user-facing problems.
+        """
+        self.stop.install()
+        self.clock.started = time.monotonic()
+        try:
+            if not self._start():
+                return
+            while not self.stop.requested:
+                if self._reached_max_outer_steps():
+                    if not self.sync.in_flight:
+                        break
+                    self._apply_round(wait=True)  # the last round: nothing left to overlap it with
+                    continue
+                handoff = self._inner_phase()
+                if handoff is None:
+                    break  # stop requested mid-phase
+                self._hand_off(handoff)
+                if not self.sync.overlap:
+                    self._apply_round(wait=True)
+            self._leave()
+        finally:
+            self._shutdown()
+
+    def _start(self) -> bool:
+        """Set-up, the optional start barrier, join sync and the first evaluation.
+        :returns: False when a stop came during start-up (nothing was trained)."""
+        from diloco_swarm.dht.swarm import SwarmError
+
+        try:
+            self._setup()
+        except SwarmError:
+            if self.stop.requested:  # Ctrl+C while starting: leave quietly, nothing was trained
+                self.status.log("stopped during start-up")
+                return False
+            raise
+        self.stop.training = True
+        self._wait_for_peers()
+        self._join_sync()
+        self._evaluate(force=True)
+        self.metrics.write({"event": "eval", "peer_id": self.peer_id, "outer_step": self.outer_step,
+                            "eval_loss": self.last_eval_loss})
+        self.status.log(f"held-out loss at outer step {self.outer_step}: {self.last_eval_loss:.4f}")
+        if self._reached_max_outer_steps():
+            self.status.log(f"outer step {self.outer_step} has reached --max-outer-steps {self.cfg.max_outer_steps}; "
+                            "nothing to train (the limit is the swarm's absolute outer step)")
+        return True
+
+    def _reached_max_outer_steps(self) -> bool:
+        limit = self.cfg.max_outer_steps
+        return 0 < limit <= self.outer_step + int(self.sync.in_flight)
+
+    def _hand_off(self, handoff: Handoff) -> None:
+        """Give Δ to the averaging thread; in overlap mode θ_local jumps to the eager estimate."""
+        self.metrics.write({"event": "averaging_start", "peer_id": self.peer_id, "outer_step": handoff.outer_step,
+                            "inner_steps": handoff.inner_steps})
+        self._status(phase="averaging")
+        self.sync.hand_off(handoff)
+
+    def _run_round(self, handoff: Handoff, control: RoundControl) -> RoundOutcome:
+        """One averaging round (on the averaging thread): average Δ, then check that the members
+        started from one θ_global; download the canonical state when they did not."""
         from diloco_swarm.averaging.averager import RoundResult
 
+        try:
+            result, average = self._average(handoff, control)
+            state = None
+            if result.gathered and not control.stop.is_set():
+                state = self._reconcile(result.gathered, (handoff.outer_step, handoff.theta_digest))
+            return RoundOutcome(result, average, state)
+        except Exception as e:  # never lose the training thread to a round: it becomes a solo round
+            return RoundOutcome(RoundResult(ok=False, group_size=1, reason=f"round failed: {e!r}"[:200]),
+                                [d.clone() for d in handoff.delta])
+
+    def _average(self, handoff: Handoff, control: RoundControl):
+        from diloco_swarm.averaging.averager import RoundResult
+
+        own = [d.detach().to("cpu", torch.float32).clone() for d in handoff.delta]
         if not self._public_peer_online():
             # Clients cannot form a group among themselves (nobody accepts connections): skip
             # matchmaking instead of waiting out the window. One warning per run.
@@ -676,157 +872,160 @@ class Node:
                 self.status.log("warning: no public peer in the swarm, only clients (which cannot reach each "
                                 "other); training solo until a public peer joins. A peer that can accept "
                                 "connections (port forwarded, or a server) lets the swarm average again")
-            return RoundResult(ok=False, group_size=1, reason="no public peer: every peer is a client"), [
-                d.detach().to("cpu", torch.float32).clone() for d in delta]
-        metadata = {"outer_step": self.outer_step, "tokens": tokens, "spec_hash": self.spec.spec_hash(),
-                    "theta_digest": theta_digest}
-        if self.cfg.fault == "huge":
-            delta = [d * 1e6 for d in delta]
-        return self.averager.average(
-            delta,
-            weight=max(tokens, 1),
-            metadata=metadata,
-            timeout=self.cfg.averaging_window,
-            stop=self.stop.event,
-        )
+            return RoundResult(ok=False, group_size=1, reason="no public peer: every peer is a client"), own
+        if self.sync.overlap and not self._others_online():
+            return RoundResult(ok=False, group_size=1, reason="no other peer online"), own
+        metadata = {"outer_step": handoff.outer_step, "tokens": handoff.tokens, "spec_hash": self.spec.spec_hash(),
+                    "theta_digest": handoff.theta_digest}
+        return self.averager.average(self._contribution(handoff.delta), weight=max(handoff.tokens, 1),
+                                     metadata=metadata, timeout=self.cfg.averaging_window, stop=control.stop,
+                                     give_up=control.give_up, digest_wait=DIGEST_WAIT_S)
 
-    def run(self) -> None:
-        """Set up, train until ``max_outer_steps`` or a stop signal, then leave cleanly.
+    def _averager_type(self) -> type:
+        """The averager class (node/faults.py substitutes faulty ones in tests)."""
+        from diloco_swarm.averaging.averager import PseudoGradientAverager
 
-        :raises NodeError, CheckpointError, SwarmError, SpecMismatch, DatasetError: user-facing problems.
-        """
+        return PseudoGradientAverager
+
+    def _contribution(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What this peer sends to the all-reduce: its Δ (a fault subclass may send something else)."""
+        return delta
+
+    def _apply_round(self, wait: bool = False, timeout: float | None = None) -> None:
+        """Apply the finished round (waiting for it at most ``timeout`` s when ``wait``): the outer
+        step on θ_global, or the adoption of a canonical state; then the checkpoint, evaluation and
+        reports. :raises TimeoutError: the round is still running (it stays in flight)."""
+        t0 = time.monotonic()
+        handoff, outcome, estimate = self.sync.take(timeout=timeout if wait else 0)
+        self.clock.averaging_s += time.monotonic() - t0  # time the training thread waited for the round
+        result = outcome.result
+        if self.cfg.debug_dump_rounds is not None:
+            self._dump_round(handoff, outcome.average, result)
+        if not result.ok and result.group_size >= 2:
+            self.failed_rounds += 1  # a group formed but the round was partial or unconfirmed
+        elif result.group_size < 2:
+            self.solo_rounds += 1
+        round_step = handoff.outer_step + 1
+        if outcome.state is not None:  # the members started from different θ_global: adopt the canonical one
+            self._adopt_state(outcome.state)
+            self.clock.wasted_inner_s += handoff.inner_s  # our Δ was replaced by the swarm's state
+        else:
+            with self._state_lock:
+                self.sync.apply(outcome.average, estimate)
+                self.outer_step += 1
+        self.tokens_total += handoff.tokens
+        self._after_round(handoff, result, round_step)
+
+    def _after_round(self, handoff: Handoff, result, round_step: int) -> None:
+        """Checkpoint (written on the housekeeping thread), evaluation within its time budget, the
+        metrics record and the status line; DHT upkeep on the housekeeping thread."""
+        self._save_checkpoint_in_background()
+        if not self.client_mode:
+            self.averager.state_sharing_priority = float(self.outer_step)
+        self._evaluate(force=0 < self.cfg.max_outer_steps <= self.outer_step)
+        self.bytes_sent_total += result.bytes_sent
+        self.bytes_received_total += result.bytes_received
+        self.last_round = {"group_size": result.group_size, "bytes_sent": result.bytes_sent,
+                           "averaging_s": result.seconds, "round_ok": result.ok, "reason": result.reason}
+        self.metrics.write(self._round_record(handoff, result, round_step))
+        self._housekeeping.submit(self._dht_upkeep)
+        self._status(force=True)
+        for peer, why in result.rejected_peers.items():
+            self.status.log(f"outer step {self.outer_step}: peer {peer} was refused: {why}")
+
+    def _round_record(self, handoff: Handoff, result, round_step: int) -> dict[str, Any]:
+        """The ``outer_step`` metrics record (docs/metrics.md)."""
+        return {
+            "event": "outer_step",
+            "outer_step": round_step,
+            "synced_to": self.outer_step if self.outer_step != round_step else None,
+            "peer_id": self.peer_id,
+            "sync_mode": self.spec.sync_mode,
+            "group_size": result.group_size,
+            "group": result.group_peer_ids,
+            "loss": handoff.loss,
+            "eval_loss": self.last_eval_loss,
+            "eval_outer_step": self.last_eval_step,
+            "tokens": handoff.tokens,
+            "inner_steps": handoff.inner_steps,
+            "tokens_total": self.tokens_total,
+            "bytes_sent": result.bytes_sent,
+            "bytes_received": result.bytes_received,
+            "averaging_s": round(result.seconds, 4),
+            "round_wall_s": round(time.monotonic() - handoff.started, 4),
+            "compression": self.spec.compression,
+            "round_ok": result.ok,
+            "reason": result.reason,
+            "rejected_peers": result.rejected_peers,
+            "digest_confirmed_by": result.agreed_peers,
+            "failed_rounds": self.failed_rounds,
+            "solo_rounds": self.solo_rounds,
+            "reachability": self.reachability,
+            "state_syncs": self.state_syncs,
+            "theta_digest": _theta_digest(self.outer.theta),
+            "inner_s": round(self.clock.inner_s, 3),
+            "wasted_inner_s": round(self.clock.wasted_inner_s, 3),
+            "averaging_total_s": round(self.clock.averaging_s, 3),
+            "sync_s": round(self.clock.sync_s, 3),
+            "eval_s": round(self.clock.eval_s, 3),
+            "wall_s": round(time.monotonic() - self.clock.started, 3),
+            "goodput": round(self.clock.goodput(), 4),
+        }
+
+    def _evaluate(self, force: bool = False) -> None:
+        """Held-out loss of θ_global, when forced or while evaluation has cost less than
+        ``--eval-budget`` of wall time (the previous value stands in between)."""
+        wall = time.monotonic() - self.clock.started
+        if not force and self.clock.eval_s > self.cfg.eval_budget * wall:
+            return
+        t0 = time.monotonic()
+        self.outer.copy_to(self.eval_params)  # θ_local may run ahead of θ_global (overlap): evaluate θ_global
+        self.last_eval_loss = evaluate(self.eval_model, self.eval_set, self.device)
+        self.last_eval_step = self.outer_step
+        self.clock.eval_s += time.monotonic() - t0
+
+    def _save_checkpoint_in_background(self) -> None:
+        """Snapshot the state now (training thread), write it on the housekeeping thread."""
+        state = self._checkpoint_state()
+        self._last_checkpoint = self._housekeeping.submit(save_checkpoint, self.cfg.state_dir, state)
+
+    def _dht_upkeep(self) -> None:
+        """Housekeeping thread: publish our record, refresh the run spec, read the swarm's records
+        (peers seen, their speeds for DyLU, the addresses kept for restarts)."""
         from diloco_swarm.dht.records import read_peer_records
-        from diloco_swarm.dht.swarm import SwarmError, refresh_run_spec
+        from diloco_swarm.dht.swarm import refresh_run_spec
 
-        self.stop.install()
-        self.clock.started = time.monotonic()
-        try:
-            try:
-                self._setup()
-            except SwarmError:
-                if self.stop.requested:  # Ctrl+C while starting: leave quietly, nothing was trained
-                    self.status.log("stopped during start-up")
-                    return
-                raise
-            self.stop.training = True
-            self._wait_for_peers()
-            self._join_sync()
-            initial_eval = evaluate(self.model, self.eval_set, self.device)
-            self.metrics.write({"event": "eval", "peer_id": self.peer_id, "outer_step": self.outer_step,
-                                "eval_loss": initial_eval})
-            self.status.log(f"held-out loss at outer step {self.outer_step}: {initial_eval:.4f}")
-            self.last_eval_loss = initial_eval
-            if 0 < self.cfg.max_outer_steps <= self.outer_step:
-                self.status.log(f"outer step {self.outer_step} has reached --max-outer-steps {self.cfg.max_outer_steps}; "
-                                "nothing to train (the limit is the swarm's absolute outer step)")
-            while not self.stop.requested and (
-                self.cfg.max_outer_steps <= 0 or self.outer_step < self.cfg.max_outer_steps
-            ):
-                inner_before = self.clock.inner_s
-                loss, tokens = self._inner_steps()
-                round_inner_s = self.clock.inner_s - inner_before
-                if round_inner_s > 0 and tokens:
-                    self.round_tokens_per_s = tokens / round_inner_s
-                if self.stop.requested:
-                    self.clock.wasted_inner_s += round_inner_s
-                    break  # abandon the partial inner steps; θ_global is in the last checkpoint
-                delta = self.outer.pseudo_gradient(self.params)
-                if not all(torch.isfinite(d).all() for d in delta):
-                    raise Diverged(
-                        f"training diverged at outer step {self.outer_step}: the pseudo-gradient has non-finite "
-                        f"values; the last good checkpoint is kept. If it happens again after a restart, the run's "
-                        f"--inner-lr is too high for this model: start a new run (another --run-id) with a lower one"
-                    )
-                t0 = time.monotonic()
-                self.metrics.write({"event": "averaging_start", "peer_id": self.peer_id, "outer_step": self.outer_step})
-                self._status(force=False, phase="averaging")
-                mine = (self.outer_step, _theta_digest(self.outer.theta))
-                result, avg = self._average(delta, tokens, mine[1])
-                self.clock.averaging_s += time.monotonic() - t0
-                if self.cfg.debug_dump_rounds is not None:
-                    self._dump_round(delta, avg, tokens, result)
-                if not result.ok and result.group_size >= 2:
-                    self.failed_rounds += 1  # a group formed but the round was partial or unconfirmed
-                elif result.group_size < 2:
-                    self.solo_rounds += 1
-                with self._state_lock:
-                    self.outer.step(avg)
-                    self.outer.copy_to(self.params)
-                    self.outer_step += 1
-                round_step, round_digest = self.outer_step, _theta_digest(self.outer.theta)
-                self.tokens_total += tokens
-                self._checkpoint()
-                if not self.client_mode:
-                    self.averager.state_sharing_priority = float(self.outer_step)
-                if result.gathered and not self.stop.requested:
-                    syncs_before = self.state_syncs
-                    self._reconcile(result.gathered, mine)
-                    if self.state_syncs != syncs_before:
-                        self.clock.wasted_inner_s += round_inner_s  # our Δ was replaced by the swarm's state
-                eval_loss = self.last_eval_loss = evaluate(self.model, self.eval_set, self.device)
-                self.bytes_sent_total += result.bytes_sent
-                self.bytes_received_total += result.bytes_received
-                self.last_round = {
-                    "group_size": result.group_size,
-                    "bytes_sent": result.bytes_sent,
-                    "averaging_s": result.seconds,
-                    "round_ok": result.ok,
-                    "reason": result.reason,
-                }
-                record = {
-                    "event": "outer_step",
-                    "outer_step": round_step,
-                    "synced_to": self.outer_step if self.outer_step != round_step else None,
-                    "peer_id": self.peer_id,
-                    "group_size": result.group_size,
-                    "group": result.group_peer_ids,
-                    "loss": loss,
-                    "eval_loss": eval_loss,
-                    "tokens": tokens,
-                    "tokens_total": self.tokens_total,
-                    "bytes_sent": result.bytes_sent,
-                    "bytes_received": result.bytes_received,
-                    "averaging_s": round(result.seconds, 4),
-                    "compression": self.spec.compression,
-                    "round_ok": result.ok,
-                    "reason": result.reason,
-                    "rejected_peers": result.rejected_peers,
-                    "digest_confirmed_by": result.agreed_peers,
-                    "failed_rounds": self.failed_rounds,
-                    "solo_rounds": self.solo_rounds,
-                    "reachability": self.reachability,
-                    "state_syncs": self.state_syncs,
-                    "theta_digest": round_digest,
-                    "inner_s": round(self.clock.inner_s, 3),
-                    "wasted_inner_s": round(self.clock.wasted_inner_s, 3),
-                    "averaging_total_s": round(self.clock.averaging_s, 3),
-                    "sync_s": round(self.clock.sync_s, 3),
-                    "wall_s": round(time.monotonic() - self.clock.started, 3),
-                    "goodput": round(self.clock.goodput(), 4),
-                }
-                self.metrics.write(record)
-                self.records.publish_now()
-                with contextlib.suppress(Exception):
-                    refresh_run_spec(self.dht, self.spec)
-                    records = read_peer_records(self.dht, self.spec.run_id)
-                    self.peers_seen = max(1, len(records))
-                    self._remember_peers(records)
-                self._status(force=True)
-                if result.rejected_peers:
-                    for peer, why in result.rejected_peers.items():
-                        self.status.log(f"outer step {self.outer_step}: peer {peer} was refused: {why}")
-            self.metrics.write({"event": "stop", "peer_id": self.peer_id, "outer_step": self.outer_step,
-                                "graceful": True, "goodput": round(self.clock.goodput(), 4)})
-            if self.averager is not None and not self.client_mode:
-                with contextlib.suppress(Exception):
-                    self.averager.allow_state_sharing = False  # publishes "no longer a donor"
-            if self.records is not None:
-                self.records.stop(remove=True)  # goodbye: our record disappears at once
-        finally:
-            self._shutdown()
+        with contextlib.suppress(Exception):
+            self.records.publish_now()
+            refresh_run_spec(self.dht, self.spec)
+            records = read_peer_records(self.dht, self.spec.run_id)
+            self.peers_seen = max(1, len(records))
+            speeds = sorted(r.inner_step_s for r in records.values() if r.inner_step_s > 0)
+            self.swarm_inner_step_s = speeds[len(speeds) // 2] if speeds else None
+            self._remember_peers(records)
+
+    def _leave(self) -> None:
+        """Graceful leave: drop the round in flight, finish the checkpoint write, say goodbye."""
+        pending_inner_s = self.sync.pending_inner_s()
+        self.sync.abandon(timeout=5.0)
+        self.clock.wasted_inner_s += pending_inner_s
+        self._housekeeping.close()  # the queued checkpoint write still runs
+        if self._last_checkpoint is not None:
+            with contextlib.suppress(Exception):
+                self._last_checkpoint.result(timeout=CHECKPOINT_WRITE_TIMEOUT_S)
+        self.metrics.write({"event": "stop", "peer_id": self.peer_id, "outer_step": self.outer_step,
+                            "graceful": True, "goodput": round(self.clock.goodput(), 4)})
+        if self.averager is not None and not self.client_mode:
+            with contextlib.suppress(Exception):
+                self.averager.allow_state_sharing = False  # publishes "no longer a donor"
+        if self.records is not None:
+            self.records.stop(remove=True)  # goodbye: our record disappears at once
 
     def _shutdown(self) -> None:
         self.status.close()
+        if self.sync is not None:
+            self.sync.abandon(timeout=0.0)  # after an error: the averaging thread must not outlive us
+        self._housekeeping.close()
         if self.records is not None:
             self.records.stop(remove=False)
         for part in (self.averager, self.dht):

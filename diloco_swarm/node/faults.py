@@ -1,0 +1,110 @@
+"""Fault injection: faulty subclasses of the node and its averager, for tests and benchmarks.
+
+The hidden ``--fault`` and ``--slowdown`` flags of ``diloco-node join`` reach real processes. They
+are read once, here, by :func:`node_type`, which picks subclasses that misbehave; the product code
+holds no fault branches (as hivemind's ``tests/test_allreduce_fault_tolerance.py`` subclasses its
+all-reduce, and torchft's ``EventInjector`` injects failures from outside).
+
+- ``nan``: every int8 part this peer sends carries NaN block scales (a broken peer).
+- ``huge``: this peer contributes Δ × 1e6 (a hostile peer).
+- ``stall-allreduce``: this peer hangs in the all-reduce after its first part, and touches
+  ``state_dir/allreduce-stalled`` so a test knows when.
+- ``--slowdown F``: every inner step takes F times as long (a slower machine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import AsyncIterator
+
+import numpy as np
+import torch
+
+from diloco_swarm.node.runner import Node
+
+FAULTS = ("nan", "huge", "stall-allreduce")
+HUGE_FACTOR = 1e6
+STALL_MARKER_NAME = "allreduce-stalled"
+
+
+def node_type(fault: str, slowdown: float = 1.0) -> type[Node]:
+    """The node class for these fault flags (``Node`` itself when there is no fault).
+
+    :raises ValueError: an unknown fault name.
+    """
+    if fault not in ("", *FAULTS):
+        raise ValueError(f"unknown fault {fault!r}; choose one of {', '.join(FAULTS)}")
+    bases: list[type] = []
+    if slowdown > 1.0:
+        bases.append(SlowInnerSteps)
+    bases += {"": [], "nan": [NonFiniteScalesNode], "huge": [HugeContributionNode],
+              "stall-allreduce": [StallingNode]}[fault]
+    return type("FaultyNode", (*bases, Node), {}) if bases else Node
+
+
+class SlowInnerSteps(Node):
+    """Each inner step sleeps (slowdown − 1) × its own duration."""
+
+    def _inner_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        t0 = time.monotonic()
+        loss = super()._inner_step(x, y)
+        time.sleep((self.cfg.slowdown - 1.0) * (time.monotonic() - t0))
+        return loss
+
+
+class HugeContributionNode(Node):
+    def _contribution(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [d * HUGE_FACTOR for d in delta]
+
+
+class NonFiniteScalesNode(Node):
+    def _averager_type(self) -> type:
+        return _nonfinite_scales_averager()
+
+
+class StallingNode(Node):
+    def _averager_type(self) -> type:
+        return _stalling_averager(self.cfg.state_dir / STALL_MARKER_NAME)
+
+
+# The averager classes import hivemind: build them on first use, so that importing this module stays light.
+def _nonfinite_scales_averager() -> type:
+    from diloco_swarm.averaging import codec
+    from diloco_swarm.averaging.averager import COMPRESSIONS, PseudoGradientAverager
+
+    class NonFiniteScalesCodec(codec.Int8BlockwiseCodec):
+        def compress(self, tensor, info, allow_inplace=False):
+            message = super().compress(tensor, info, allow_inplace)
+            n_blocks = (tensor.numel() + codec.BLOCKSIZE - 1) // codec.BLOCKSIZE
+            start = codec._HEADER.size
+            buffer = bytearray(message.buffer)
+            buffer[start:start + 4 * n_blocks] = np.full(n_blocks, np.nan, dtype="<f4").tobytes()
+            message.buffer = bytes(buffer)
+            return message
+
+    class NonFiniteScalesAverager(PseudoGradientAverager):
+        compressions = {**COMPRESSIONS, "int8": NonFiniteScalesCodec}
+
+    return NonFiniteScalesAverager
+
+
+def _stalling_averager(marker: Path) -> type:
+    from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner
+    from diloco_swarm.averaging.averager import PseudoGradientAverager
+
+    class StallingAllReduceRunner(ConsensusAllReduceRunner):
+        async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator:
+            first = True
+            async for message in super()._generate_input_for_peer(peer_index):
+                yield message
+                if first:  # hang mid all-reduce, after the first part
+                    first = False
+                    marker.touch()
+                    await asyncio.sleep(3600)
+
+    class StallingAverager(PseudoGradientAverager):
+        allreduce_runner_type = StallingAllReduceRunner
+
+    return StallingAverager

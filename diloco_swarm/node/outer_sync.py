@@ -1,0 +1,184 @@
+"""Overlapped outer steps: the next inner phase runs while the group averages Δ.
+
+Blocking DiLoCo (Douillard et al., arXiv 2311.08105) stops training for the whole round:
+matchmaking, the all-reduce and its verification. Overlapped DiLoCo hides the round behind the
+next inner phase, as eager updates do (Kale et al., arXiv 2502.12996, "1-outer-step eager"):
+
+    end of phase t:   Δ_t = θ_global^t − θ_local             (hand-off, round t starts in the background)
+                      θ_local ← θ̂ = OuterStep(θ_global^t, Δ_t)  (eager: our own Δ stands in for the average)
+    during phase t+1: round t ends with the verified average Δ̄_t (or our own Δ_t: a solo or failed round)
+                      θ_global^{t+1} = OuterStep(θ_global^t, Δ̄_t)
+                      θ_local ← θ_local + (θ_global^{t+1} − θ̂)     (keeps the progress made since the hand-off)
+    end of phase t+1: Δ_{t+1} = θ_global^{t+1} − θ_local
+
+θ_global only ever moves by verified averages (or our own Δ when there is none), so every member of
+a round still holds bit-identical θ_global; only θ_local runs one round "eagerly" ahead. A solo or
+failed round costs nothing: θ_global^{t+1} equals θ̂ bit for bit (:meth:`OuterOptimizer.preview`), so
+the correction is zero. The checkpoint holds (θ_global, momentum, outer step) of the last applied
+round, never an eager estimate, so a crash at any moment resumes from a state an outer step produced.
+
+:class:`OuterSync` owns the round in flight and the correction arithmetic; the caller (node/runner.py)
+owns the outer-step counter, the lock around θ_global, and what happens after a round.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from diloco_swarm.node.outer import OuterOptimizer
+from diloco_swarm.utils.worker import Worker
+
+SYNC_MODES = ("overlap", "blocking")
+
+
+@dataclass
+class Handoff:
+    """What a finished inner phase hands to the averaging.
+
+    ``delta``: Δ = θ_global − θ_local, fp32 CPU tensors shaped like the parameters.
+    """
+
+    delta: list[torch.Tensor]
+    tokens: int  # tokens trained in the phase (the round's averaging weight)
+    inner_steps: int  # inner steps of the phase (adaptive, DyLU)
+    inner_s: float  # wall seconds of the phase's inner steps
+    loss: float | None  # mean training loss of the phase
+    outer_step: int  # θ_global's outer step at the hand-off
+    theta_digest: str  # digest of θ_global at the hand-off
+    started: float = 0.0  # time.monotonic() of the hand-off
+
+
+@dataclass
+class RoundControl:
+    """Signals from the training thread to the round in flight.
+
+    ``give_up``: the next inner phase ran out of steps while this round still looked for a group:
+    stop looking (a group that already formed still finishes). ``stop``: the node is leaving.
+    """
+
+    give_up: threading.Event = field(default_factory=threading.Event)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class RoundOutcome:
+    """What the averaging thread returns for one round.
+
+    ``average``: the Δ to apply (the verified group average, or our own Δ). ``state``: instead of
+    applying ``average``, adopt this downloaded state (θ_global + momentum of a canonical peer);
+    its shape is the caller's business.
+    """
+
+    result: Any  # averaging.averager.RoundResult
+    average: list[torch.Tensor]
+    state: Any = None
+
+
+@dataclass
+class _Pending:
+    handoff: Handoff
+    control: RoundControl
+    future: Future
+    estimate: list[torch.Tensor] | None  # θ̂, the eager start of the current phase (None: blocking)
+
+
+class OuterSync:
+    """The round in flight between two inner phases, and how a finished one is applied.
+
+    :param outer: θ_global and the outer Nesterov optimizer.
+    :param params: the model parameters (θ_local), in θ_global's order; any device.
+    :param run_round: ``(handoff, control) -> RoundOutcome``; runs on this object's averaging thread.
+        It must return (not raise) for every round; it should honour ``control`` within seconds.
+    :param overlap: True = overlapped (eager) rounds; False = blocking rounds (the caller waits).
+    """
+
+    def __init__(self, outer: OuterOptimizer, params: Sequence[nn.Parameter],
+                 run_round: Callable[[Handoff, RoundControl], RoundOutcome], *, overlap: bool):
+        self.outer, self.params, self.run_round, self.overlap = outer, list(params), run_round, overlap
+        self._worker = Worker("averaging")
+        self._pending: _Pending | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    def done(self) -> bool:
+        """Whether the round in flight has finished (its outcome can be applied without waiting)."""
+        return self._pending is not None and self._pending.future.done()
+
+    @torch.no_grad()
+    def hand_off(self, handoff: Handoff) -> None:
+        """Start the round of ``handoff.delta`` in the background; in overlap mode θ_local jumps to θ̂.
+
+        :raises RuntimeError: a round is still in flight (apply it first).
+        """
+        if self._pending is not None:
+            raise RuntimeError("a round is still in flight")
+        estimate = None
+        if self.overlap:
+            estimate = self.outer.preview(handoff.delta)
+            for p, e in zip(self.params, estimate):
+                p.copy_(e.to(device=p.device, dtype=p.dtype))
+        control = RoundControl()
+        future = self._worker.submit(self.run_round, handoff, control)
+        self._pending = _Pending(handoff, control, future, estimate)
+
+    def overdue(self, seconds: float) -> bool:
+        """Whether the round in flight was handed off more than ``seconds`` ago."""
+        return self._pending is not None and time.monotonic() - self._pending.handoff.started > seconds
+
+    def pending_inner_s(self) -> float:
+        """Inner-phase seconds whose Δ is in the round in flight (0 when none)."""
+        return self._pending.handoff.inner_s if self._pending is not None else 0.0
+
+    def give_up_matchmaking(self) -> None:
+        if self._pending is not None:
+            self._pending.control.give_up.set()
+
+    def take(self, timeout: float | None = None) -> tuple[Handoff, RoundOutcome, list[torch.Tensor] | None]:
+        """Wait (at most ``timeout`` seconds) for the round in flight and detach it.
+
+        :returns: (its hand-off, its outcome, the eager estimate θ̂ or None), for :meth:`apply`.
+        :raises TimeoutError: still running after ``timeout`` (it stays in flight).
+        :raises RuntimeError: no round in flight.
+        """
+        if self._pending is None:
+            raise RuntimeError("no round in flight")
+        outcome = self._pending.future.result(timeout=timeout)
+        pending, self._pending = self._pending, None
+        return pending.handoff, outcome, pending.estimate
+
+    @torch.no_grad()
+    def apply(self, average: Sequence[torch.Tensor], estimate: list[torch.Tensor] | None) -> None:
+        """θ_global ← OuterStep(θ_global, average); move θ_local onto the new θ_global.
+
+        Overlap: θ_local += θ_global_new − θ̂ (the progress since the hand-off is kept).
+        Blocking: θ_local ← θ_global_new.
+        :raises ValueError: ``average`` does not fit θ_global (nothing changes).
+        """
+        self.outer.step(average)
+        if estimate is None:
+            self.outer.copy_to(self.params)
+            return
+        for p, new, est in zip(self.params, self.outer.theta, estimate):
+            p.add_((new - est).to(device=p.device, dtype=p.dtype))
+
+    def abandon(self, timeout: float) -> None:
+        """Leave the round in flight (graceful stop): signal it and wait at most ``timeout`` s.
+        Its Δ is dropped: θ_global stays at the last applied round."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.control.stop.set()
+            pending.control.give_up.set()
+            try:
+                pending.future.result(timeout=timeout)
+            except Exception:
+                pass  # a failing or slow round at shutdown changes nothing: its Δ is dropped anyway
+        self._worker.close()

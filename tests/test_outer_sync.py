@@ -1,0 +1,194 @@
+"""The overlapped outer step (node/outer_sync.py) against a fake averager with injected events.
+
+The fake plays the averaging thread's part: each round's outcome is scripted (a verified group
+average, a failed round, a round that keeps looking for a group until told to give up, one that
+hangs), in the manner of torchft's ``EventInjector`` and hivemind's fault-tolerance tests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from diloco_swarm.node.outer import OuterOptimizer
+from diloco_swarm.node.outer_sync import Handoff, OuterSync, RoundControl, RoundOutcome
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@dataclass
+class Result:  # the fields of averaging.averager.RoundResult that the sync reads
+    ok: bool
+    group_size: int
+    reason: str = ""
+
+
+class FakeAverager:
+    """Scripted rounds: ``events[i]`` is what round i does.
+
+    - ``("ok", avg)``: a verified group average ``avg`` (list of tensors);
+    - ``"fail"``: the round fails; our own Δ comes back;
+    - ``"looking"``: no group until ``give_up`` (then a solo round);
+    - ``"hang"``: never returns until ``stop``.
+    """
+
+    def __init__(self, events):
+        self.events = list(events)
+        self.rounds = 0
+        self.entered = threading.Event()
+
+    def __call__(self, handoff: Handoff, control: RoundControl) -> RoundOutcome:
+        event = self.events[self.rounds]
+        self.rounds += 1
+        self.entered.set()
+        own = [d.clone() for d in handoff.delta]
+        if isinstance(event, tuple) and event[0] == "ok":
+            return RoundOutcome(Result(True, 2), [a.clone() for a in event[1]])
+        if event == "fail":
+            return RoundOutcome(Result(False, 2, "partial round"), own)
+        if event == "looking":
+            assert control.give_up.wait(10), "the training thread never gave up the round"
+            return RoundOutcome(Result(False, 1, "no group"), own)
+        if event == "hang":
+            control.stop.wait(30)
+            return RoundOutcome(Result(False, 1, "stopping"), own)
+        raise AssertionError(event)
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+
+
+@torch.no_grad()
+def inner_phase(params, steps: int = 3, seed: int = 1) -> None:
+    """A deterministic stand-in for H inner steps: move each parameter toward a fixed target."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.add_(0.1 * (torch.randn(p.shape, generator=gen) - p))
+
+
+def handoff(outer: OuterOptimizer, params, step: int = 0) -> Handoff:
+    return Handoff(delta=outer.pseudo_gradient(params), tokens=100, inner_steps=3, inner_s=0.1, loss=1.0,
+                   outer_step=step, theta_digest="x")
+
+
+def setup(events, overlap=True):
+    m = model()
+    params = list(m.parameters())
+    outer = OuterOptimizer(params, lr=0.7, momentum=0.9)
+    fake = FakeAverager(events)
+    return params, outer, fake, OuterSync(outer, params, fake, overlap=overlap)
+
+
+def clone(ts):
+    return [t.detach().clone() for t in ts]
+
+
+def test_overlap_starts_the_next_phase_from_the_eager_estimate():
+    params, outer, fake, sync = setup(["hang"])
+    inner_phase(params)
+    h = handoff(outer, params)
+    expected = outer.preview(h.delta)
+    theta_before = clone(outer.theta)
+    sync.hand_off(h)
+    assert sync.in_flight
+    assert all(torch.equal(p, e) for p, e in zip(params, expected))  # θ_local ← θ̂ at once
+    assert all(torch.equal(a, b) for a, b in zip(outer.theta, theta_before))  # θ_global waits for the round
+    sync.abandon(timeout=5)
+    assert not sync.in_flight
+    assert all(torch.equal(a, b) for a, b in zip(outer.theta, theta_before))  # a dropped round changes nothing
+
+
+def test_a_failed_round_costs_nothing():
+    """Own Δ back (failed or solo round): θ_global lands on θ̂ exactly; the progress since stays."""
+    params, outer, fake, sync = setup(["fail"])
+    inner_phase(params)
+    h = handoff(outer, params)
+    sync.hand_off(h)
+    estimate = clone(params)
+    inner_phase(params, seed=2)  # the next phase trains while the round runs
+    before_apply = clone(params)
+    handed, outcome, est = sync.take(timeout=5)
+    sync.apply(outcome.average, est)
+    assert all(torch.equal(t, e) for t, e in zip(outer.theta, estimate))
+    assert all(torch.equal(p, b) for p, b in zip(params, before_apply))  # zero correction
+
+
+def test_a_group_average_is_applied_one_round_late_keeping_local_progress():
+    params, outer, _, _ = setup([])
+    inner_phase(params)
+    h = handoff(outer, params)
+    average = [d * 0.5 + 0.01 for d in h.delta]  # the group's Δ̄ differs from ours
+    params, outer, fake, sync = setup([("ok", average)])
+    inner_phase(params)
+    h = handoff(outer, params)
+    reference = OuterOptimizer(clone(outer.theta), lr=0.7, momentum=0.9)
+    sync.hand_off(h)
+    estimate = clone(params)
+    inner_phase(params, seed=2)
+    progress = [p - e for p, e in zip(params, estimate)]
+    _, outcome, est = sync.take(timeout=5)
+    sync.apply(outcome.average, est)
+    reference.step(average)
+    assert all(torch.equal(a, b) for a, b in zip(outer.theta, reference.theta))  # θ_global: the verified average
+    for p, theta, prog in zip(params, outer.theta, progress):  # θ_local = θ_global + the progress since hand-off
+        torch.testing.assert_close(p - theta, prog, rtol=0, atol=1e-6)
+    # the next Δ is relative to the new θ_global: exactly the progress made in this phase
+    for d, prog in zip(outer.pseudo_gradient(params), progress):
+        torch.testing.assert_close(d, -prog, rtol=0, atol=1e-6)
+
+
+def test_overlap_with_solo_rounds_follows_blocking_exactly():
+    """With no group (own Δ every round), overlapped and blocking DiLoCo train the same θ_global."""
+    trajectories = {}
+    for overlap in (True, False):
+        params, outer, fake, sync = setup(["fail"] * 4, overlap=overlap)
+        for t in range(4):
+            inner_phase(params, seed=t)
+            sync.hand_off(handoff(outer, params, t))
+            _, outcome, est = sync.take(timeout=5)
+            sync.apply(outcome.average, est)
+        trajectories[overlap] = clone(outer.theta)
+    for a, b in zip(trajectories[True], trajectories[False]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_giving_up_matchmaking_ends_the_round_as_solo():
+    params, outer, fake, sync = setup(["looking"])
+    inner_phase(params)
+    sync.hand_off(handoff(outer, params))
+    assert fake.entered.wait(5)
+    time.sleep(0.2)
+    assert not sync.done()  # still looking for a group
+    sync.give_up_matchmaking()
+    _, outcome, _ = sync.take(timeout=5)
+    assert outcome.result.group_size == 1
+
+
+def test_a_hung_round_does_not_hold_the_node_at_stop():
+    params, outer, fake, sync = setup(["hang"])
+    inner_phase(params)
+    sync.hand_off(handoff(outer, params))
+    assert fake.entered.wait(5)
+    with pytest.raises(TimeoutError):
+        sync.take(timeout=0.2)
+    assert sync.in_flight  # a timed-out wait leaves the round in flight
+    t0 = time.monotonic()
+    sync.abandon(timeout=2)
+    assert time.monotonic() - t0 < 3
+
+
+def test_one_round_at_a_time():
+    params, outer, fake, sync = setup(["hang"])
+    sync.hand_off(handoff(outer, params))
+    with pytest.raises(RuntimeError, match="in flight"):
+        sync.hand_off(handoff(outer, params))
+    sync.abandon(timeout=2)
+    with pytest.raises(RuntimeError, match="no round"):
+        sync.take(timeout=0)
