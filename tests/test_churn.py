@@ -137,7 +137,9 @@ def summary(node: NodeProc, last: int = 12) -> str:
 # ---------------------------------------------------------------------------------- 1. SIGINT
 @pytest.mark.timeout(600)
 def test_sigint_leaves_cleanly(tmp_path):
-    with ChurnSwarm(tmp_path, "sigint") as swarm:
+    # Blocking sync mode: an overlapped lone node skips matchmaking (nobody to meet), and (2) needs one
+    # waiting in matchmaking. Stops in overlapped rounds: tests/test_overlap.py.
+    with ChurnSwarm(tmp_path, "sigint", extra=["--sync-mode", "blocking"]) as swarm:
         # (1) after the first outer step. A lone node's rounds are solo: a short window keeps them short.
         node = swarm.start("n", "--averaging-window", "6", timeout=START_S)
         swarm.wait(lambda: node.outer_steps(), ROUND_S, "first outer step", node)

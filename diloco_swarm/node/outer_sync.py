@@ -97,11 +97,15 @@ class OuterSync:
     :param run_round: ``(handoff, control) -> RoundOutcome``; runs on this object's averaging thread.
         It must return (not raise) for every round; it should honour ``control`` within seconds.
     :param overlap: True = overlapped (eager) rounds; False = blocking rounds (the caller waits).
+    :param stop: the node's stop event; every round's ``control.stop`` (a graceful leave abandons
+        the round in flight at once).
     """
 
     def __init__(self, outer: OuterOptimizer, params: Sequence[nn.Parameter],
-                 run_round: Callable[[Handoff, RoundControl], RoundOutcome], *, overlap: bool):
+                 run_round: Callable[[Handoff, RoundControl], RoundOutcome], *, overlap: bool,
+                 stop: threading.Event | None = None):
         self.outer, self.params, self.run_round, self.overlap = outer, list(params), run_round, overlap
+        self._stop = stop if stop is not None else threading.Event()
         self._worker = Worker("averaging")
         self._pending: _Pending | None = None
 
@@ -126,7 +130,7 @@ class OuterSync:
             estimate = self.outer.preview(handoff.delta)
             for p, e in zip(self.params, estimate):
                 p.copy_(e.to(device=p.device, dtype=p.dtype))
-        control = RoundControl()
+        control = RoundControl(stop=self._stop)
         future = self._worker.submit(self.run_round, handoff, control)
         self._pending = _Pending(handoff, control, future, estimate)
 

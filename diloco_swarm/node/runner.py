@@ -201,7 +201,8 @@ class Node:
         self.eval_model = build_model(spec.model, seed=spec.seed).to(self.device)  # holds θ_global for evaluation
         self.eval_params = list(self.eval_model.parameters())
         self.outer = OuterOptimizer(self.params, lr=spec.outer_lr, momentum=spec.outer_momentum)
-        self.sync = OuterSync(self.outer, self.params, self._run_round, overlap=spec.sync_mode == "overlap")
+        self.sync = OuterSync(self.outer, self.params, self._run_round, overlap=spec.sync_mode == "overlap",
+                              stop=self.stop.event)
         self.min_inner_steps = max(1, round(spec.inner_steps * MIN_INNER_STEPS_FRACTION))
         self.max_inner_steps = spec.inner_steps * MAX_INNER_STEPS_FACTOR
         # a round ends by itself within: the averaging window, the all-reduce, the digest confirmation
@@ -680,7 +681,7 @@ class Node:
             losses.append(loss)
             self.clock.inner_s += time.monotonic() - t0
             if self.sync.done():
-                self._apply_round()
+                self._apply_round(during_inner_step=steps)
             now = time.monotonic()
             if now - t_last >= 1.0:
                 self._status(inner_step=steps, loss=sum(losses[-20:]) / len(losses[-20:]),
@@ -891,7 +892,8 @@ class Node:
         """What this peer sends to the all-reduce: its Δ (a fault subclass may send something else)."""
         return delta
 
-    def _apply_round(self, wait: bool = False, timeout: float | None = None) -> None:
+    def _apply_round(self, wait: bool = False, timeout: float | None = None,
+                     during_inner_step: int | None = None) -> None:
         """Apply the finished round (waiting for it at most ``timeout`` s when ``wait``): the outer
         step on θ_global, or the adoption of a canonical state; then the checkpoint, evaluation and
         reports. :raises TimeoutError: the round is still running (it stays in flight)."""
@@ -914,9 +916,9 @@ class Node:
                 self.sync.apply(outcome.average, estimate)
                 self.outer_step += 1
         self.tokens_total += handoff.tokens
-        self._after_round(handoff, result, round_step)
+        self._after_round(handoff, result, round_step, during_inner_step)
 
-    def _after_round(self, handoff: Handoff, result, round_step: int) -> None:
+    def _after_round(self, handoff: Handoff, result, round_step: int, during_inner_step: int | None) -> None:
         """Checkpoint (written on the housekeeping thread), evaluation within its time budget, the
         metrics record and the status line; DHT upkeep on the housekeeping thread."""
         self._save_checkpoint_in_background()
@@ -927,7 +929,8 @@ class Node:
         self.bytes_received_total += result.bytes_received
         self.last_round = {"group_size": result.group_size, "bytes_sent": result.bytes_sent,
                            "averaging_s": result.seconds, "round_ok": result.ok, "reason": result.reason}
-        self.metrics.write(self._round_record(handoff, result, round_step))
+        self.metrics.write({**self._round_record(handoff, result, round_step),
+                            "applied_at_inner_step": during_inner_step})
         self._housekeeping.submit(self._dht_upkeep)
         self._status(force=True)
         for peer, why in result.rejected_peers.items():
