@@ -104,8 +104,9 @@ def join(
     name: Annotated[str, typer.Option(help="Nickname shown to other peers.", rich_help_panel=LOCAL)] = "",
     max_dataset_bytes: Annotated[Optional[int], typer.Option(min=1024, help="Read at most this many bytes of the dataset (faster start on big corpora).", rich_help_panel=LOCAL)] = None,
     wait_for_peers: Annotated[int, typer.Option(min=0, help="Before training, wait up to 2 minutes until this many peers (this one included) are online. 0 = start at once.", rich_help_panel=SWARM)] = 0,
-    target_group_size: Annotated[int, typer.Option(min=2, help="Most peers in one averaging group.", rich_help_panel=AVERAGING)] = 4,
-    matchmaking_time: Annotated[float, typer.Option(min=0.5, help="Seconds a group leader waits for more peers before averaging starts.", rich_help_panel=AVERAGING)] = 5.0,
+    target_group_size: Annotated[int, typer.Option(min=0, help="Peers per averaging group; 0 = the whole swarm in one group (up to --max-group-size), so every peer holds one θ_global.", rich_help_panel=AVERAGING)] = 0,
+    max_group_size: Annotated[int, typer.Option(min=2, max=1024, help="Most peers in one averaging group.", rich_help_panel=AVERAGING)] = 64,
+    matchmaking_time: Annotated[float, typer.Option(min=0.5, help="Seconds a group leader waits for more peers at least; it waits longer for peers whose inner phase is about to end (progress alignment).", rich_help_panel=AVERAGING)] = 2.0,
     averaging_window: Annotated[float, typer.Option(min=1.0, help="Seconds to look for a group before going solo for this outer step.", rich_help_panel=AVERAGING)] = 30.0,
     allreduce_timeout: Annotated[float, typer.Option(min=1.0, help="Seconds the all-reduce may take once a group formed.", rich_help_panel=AVERAGING)] = 60.0,
     eval_budget: Annotated[float, typer.Option(min=0.0, max=1.0, help="Evaluate the held-out loss after an outer step only while evaluation has taken less than this share of wall time (0.02 = 2%); the last value is reported in between.", rich_help_panel=LOCAL)] = 0.02,
@@ -125,6 +126,8 @@ def join(
 
     if fault not in ("", "nan", "huge", "stall-allreduce"):  # the names of node/faults.py (not imported: it loads torch)
         raise fail(f"--fault must be nan, huge or stall-allreduce, got '{fault}'")
+    if target_group_size == 1:
+        raise fail("--target-group-size must be 0 (the whole swarm) or at least 2")
     if matchmaking_time >= averaging_window:
         raise fail("--matchmaking-time must be shorter than --averaging-window")
     if client_mode and public:
@@ -177,6 +180,7 @@ def join(
         threads=threads,
         max_outer_steps=max_outer_steps,
         target_group_size=target_group_size,
+        max_group_size=max_group_size,
         matchmaking_time=matchmaking_time,
         averaging_window=averaging_window,
         allreduce_timeout=allreduce_timeout,

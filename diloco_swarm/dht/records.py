@@ -90,6 +90,9 @@ class PeerRecord(pv1.BaseModel):
     # seconds per inner step in the last phase (0 = not measured yet): peers size their phases by the
     # swarm's median (DyLU, node/runner.py)
     inner_step_s: pv1.confloat(strict=True, ge=0.0, le=MAX_SECONDS) = 0.0
+    # DHT time at which this peer expects to hand off its current inner phase (0 = unknown): a
+    # round's leader waits for the peers about to arrive (progress alignment, node/runner.py)
+    phase_eta: pv1.confloat(strict=True, ge=0.0, le=MAX_TIME) = 0.0
 
     class Config:
         extra = pv1.Extra.forbid

@@ -25,8 +25,14 @@ class NodeConfig:
     device: str = "auto"
     threads: int = 0  # torch CPU threads; 0 = torch's default
     max_outer_steps: int = 0  # 0 = train until stopped
-    target_group_size: int = 4
-    matchmaking_time: float = 5.0  # a group leader gathers followers this long
+    target_group_size: int = 0  # 0 = the whole swarm in one group, up to max_group_size
+    max_group_size: int = 64
+    matchmaking_time: float = 2.0  # a group leader gathers followers at least this long
+
+    @property
+    def group_size(self) -> int:
+        """The most peers in one averaging group."""
+        return min(self.target_group_size or self.max_group_size, self.max_group_size)
     averaging_window: float = 30.0  # wait at most this long for a group, then go solo
     allreduce_timeout: float = 60.0
     metrics_file: Path | None = None

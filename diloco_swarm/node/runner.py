@@ -51,6 +51,7 @@ MAX_PHASE_BATCHES = 1 << 40  # a phase extended while a round runs draws batches
 ROUND_MARGIN_S = 30.0  # past the round's own time bounds, the phase gives the round up
 ROUND_GIVE_UP_S = 15.0  # ... and waits this long for it to end
 DIGEST_WAIT_S = 15.0  # a round waits this long for every member's digest of the average
+ALIGN_SLACK_S = 1.0  # a round waits this long past the last expected member's hand-off
 
 
 @dataclass
@@ -167,6 +168,7 @@ class Node:
         self.inner_step_s: float | None = None  # this peer's seconds per inner step (last phase)
         self.swarm_inner_step_s: float | None = None  # the online peers' median (DyLU)
         self.last_eval_step = 0
+        self.phase_eta = 0.0  # time.time() at which the current inner phase should end (0 = unknown)
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -241,7 +243,7 @@ class Node:
             self.dht,
             prefix=spec.run_id,
             compression=spec.compression,
-            target_group_size=cfg.target_group_size,
+            target_group_size=cfg.group_size,
             matchmaking_time=cfg.matchmaking_time,
             allreduce_timeout=cfg.allreduce_timeout,
             max_norm_ratio=cfg.max_norm_ratio,
@@ -431,6 +433,7 @@ class Node:
             "uptime_s": time.monotonic() - self.clock.started,
             "maddrs": [] if self.client_mode else self.maddrs,  # a client cannot be dialed
             "inner_step_s": float(self.inner_step_s or 0.0),
+            "phase_eta": float(self.phase_eta),
         }
 
     # ------------------------------------------------------------------ state transfer
@@ -664,6 +667,9 @@ class Node:
         # data and LR warm-up follow the swarm's progress (outer step × H): a joiner synced to step t
         # must not take tiny steps, or its own Δ-based norm bounds would reject every honest part
         phase_index = self.outer_step + int(self.sync.in_flight)
+        # when we expect to hand this phase off: a round's leader waits for peers about to arrive
+        self.phase_eta = time.time() + target * self.inner_step_s if self.inner_step_s else 0.0
+        self._housekeeping.submit(self.records.publish_now)
         self.model.train()
         losses, tokens, steps = [], 0, 0
         t_phase = t_last = time.monotonic()
@@ -880,7 +886,28 @@ class Node:
                     "theta_digest": handoff.theta_digest}
         return self.averager.average(self._contribution(handoff.delta), weight=max(handoff.tokens, 1),
                                      metadata=metadata, timeout=self.cfg.averaging_window, stop=control.stop,
-                                     give_up=control.give_up, digest_wait=DIGEST_WAIT_S)
+                                     give_up=control.give_up, digest_wait=DIGEST_WAIT_S,
+                                     scheduled_time=self._aligned_start(handoff))
+
+    def _aligned_start(self, handoff: Handoff) -> float | None:
+        """Progress alignment: when this round's all-reduce should begin (unix time), or None for
+        hivemind's default (now + ``--matchmaking-time``).
+
+        Peers publish when they expect to hand off their phase (``phase_eta`` in their records).
+        The round waits for those expected within the grace window (one phase of ours, at most half
+        the averaging window), plus a little slack; later ones are late and meet the next round.
+        This is the minimum-quorum-plus-grace rule of Decoupled DiLoCo (arXiv 2604.21428), and how
+        hivemind's ``ProgressTracker`` aligns its collaborative optimizer's epochs.
+        """
+        from diloco_swarm.dht.records import read_peer_records
+
+        now = time.time()
+        grace = min(self.cfg.averaging_window / 2, max(self.cfg.matchmaking_time, handoff.inner_s))
+        etas = [r.phase_eta for p, r in read_peer_records(self.dht, self.spec.run_id).items()
+                if p != self.peer_id and now < r.phase_eta <= now + grace]
+        if not etas:
+            return None
+        return max(etas) + ALIGN_SLACK_S
 
     def _averager_type(self) -> type:
         """The averager class (node/faults.py substitutes faulty ones in tests)."""
