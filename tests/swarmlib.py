@@ -28,6 +28,7 @@ FAST_ARGS = [
     "--matchmaking-time", "3",
     "--averaging-window", "40",
     "--allreduce-timeout", "20",
+    "--eval-budget", "1",  # evaluate after every round: the tests compare held-out losses step by step
 ]
 
 

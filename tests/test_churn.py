@@ -216,7 +216,8 @@ def test_late_joiner_downloads_state_and_averages(tmp_path):
         # Same θ, same held-out batches: same held-out loss.
         d_eval = swarm.wait_alive(lambda: d.events("eval"), 120, "D's first held-out loss", (d,))[0]
         assert d_eval["outer_step"] == step
-        assert abs(d_eval["eval_loss"] - record["eval_loss"]) < 1e-3, (d_eval, record)
+        assert record["eval_outer_step"] == step and abs(d_eval["eval_loss"] - record["eval_loss"]) < 1e-3, (
+            d_eval, record)
 
         # D's first round averages with the others.
         rounds = swarm.wait_alive(lambda: d.outer_steps(), ROUND_S, "D's first round", (a, b, c, d))
