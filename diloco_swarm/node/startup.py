@@ -1,0 +1,295 @@
+"""Start-up of a node: local checks, the model and θ_global, the DHT (or rejoining through the
+peers it saw), the reachability check, the averager and the peer record.
+
+A mixin of :class:`diloco_swarm.node.runner.Node`. Everything local that can fail is checked
+before the network is touched.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from diloco_swarm import __version__
+from diloco_swarm.data import BatchSampler, held_out_batches, load_corpus
+from diloco_swarm.models import build_model, num_parameters
+from diloco_swarm.node.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, remove_stale_temp_files
+from diloco_swarm.node.errors import NodeError
+from diloco_swarm.node.outer import OuterOptimizer
+from diloco_swarm.node.outer_sync import OuterSync
+
+MIN_INNER_STEPS_FRACTION = 0.25  # DyLU range: a phase plans H/4 .. 2H inner steps
+MAX_INNER_STEPS_FACTOR = 2
+ROUND_MARGIN_S = 30.0  # past the round's own time bounds, a phase gives the round up
+DIGEST_WAIT_S = 15.0  # a round waits this long for every member's digest of the average
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` → cuda, else mps, else cpu. :raises NodeError: an explicit device is unavailable."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise NodeError("--device cuda: no CUDA GPU is visible to PyTorch; use --device cpu or auto")
+    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise NodeError("--device mps: Apple MPS is not available here; use --device cpu or auto")
+    return torch.device(name)
+
+
+class Startup:
+    """Set-up of a :class:`~diloco_swarm.node.runner.Node` (``_setup``) and its helpers."""
+
+    def _setup(self) -> None:
+        from diloco_swarm.dht.swarm import StateDirLock, ensure_run_spec, start_dht, visible_maddrs
+
+        cfg, spec = self.cfg, self.spec
+        self.device = pick_device(cfg.device)
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        self.lock = StateDirLock(cfg.state_dir)
+        remove_stale_temp_files(cfg.state_dir)  # left by a write that a second Ctrl+C or a crash cut short
+
+        # Everything local that can fail is checked before we touch the network.
+        self.corpus = load_corpus(cfg.dataset, max_bytes=cfg.max_dataset_bytes)
+        self.corpus.check(spec.seq_len)
+        spec = self.spec = spec.model_copy(update={"dataset": self.corpus.description})
+        checkpoint = load_checkpoint(checkpoint_path(cfg.state_dir))
+        if checkpoint is not None and checkpoint.get("spec") != spec.model_dump():
+            theirs = checkpoint.get("spec") or {}
+            diffs = ", ".join(k for k in spec.model_dump() if spec.model_dump()[k] != theirs.get(k))
+            raise NodeError(
+                f"state dir {cfg.state_dir} holds a checkpoint of a different run spec (differs in: {diffs}); "
+                "use another --state-dir, or the flags of that run"
+            )
+
+        self.model = build_model(spec.model, seed=spec.seed).to(self.device)
+        if spec.seq_len > self.model.config.block_size:
+            raise NodeError(
+                f"--seq-len {spec.seq_len} exceeds the '{spec.model}' model's context of {self.model.config.block_size}"
+            )
+        self.params = list(self.model.parameters())
+        self.eval_model = build_model(spec.model, seed=spec.seed).to(self.device)  # holds θ_global for evaluation
+        self.eval_params = list(self.eval_model.parameters())
+        self.outer = OuterOptimizer(self.params, lr=spec.outer_lr, momentum=spec.outer_momentum)
+        self.sync = OuterSync(self.outer, self.params, self._run_round, overlap=spec.sync_mode == "overlap",
+                              stop=self.stop.event)
+        self.min_inner_steps = max(1, round(spec.inner_steps * MIN_INNER_STEPS_FRACTION))
+        self.max_inner_steps = spec.inner_steps * MAX_INNER_STEPS_FACTOR
+        # a round ends by itself within: the averaging window, the all-reduce, the digest confirmation
+        self.round_deadline_s = cfg.averaging_window + cfg.allreduce_timeout + DIGEST_WAIT_S + ROUND_MARGIN_S
+        self.inner_opt = torch.optim.AdamW(self.params, lr=spec.inner_lr, betas=(0.9, 0.95), weight_decay=0.1)
+        self.outer_step = 0
+        if checkpoint is not None:
+            self._restore(checkpoint)
+            self.status.log(f"resumed from {checkpoint_path(cfg.state_dir)} at outer step {self.outer_step}")
+
+        from diloco_swarm.averaging import codec
+
+        if spec.compression == "int8":
+            codec.encode(torch.zeros(1))  # import bitsandbytes (~5 s) now, not inside our first round
+
+        from diloco_swarm.dht.records import PeerRecordPublisher, record_validators
+
+        validators = record_validators(spec.run_id, cfg.state_dir)
+        dht_args = dict(host=cfg.host, port=cfg.port, announce=cfg.announce,
+                        identity_path=cfg.state_dir / "identity.key", record_validators=validators)
+        self.dht = self._start_dht_or_rejoin(dht_args)
+        cfg = self.cfg  # its initial peers may now be the known peers we rejoined through
+        self.peer_id = self.dht.peer_id.to_base58()
+        ensure_run_spec(self.dht, spec, joining=bool(cfg.initial_peers))
+        if self._detect_reachability() == "unreachable":
+            # Behind NAT: a full peer would break every group it joins. Restart the DHT as a client.
+            self.dht.shutdown()
+            self.client_mode, self.reachability = True, "client"
+            self.dht = start_dht(initial_peers=cfg.initial_peers, client_mode=True, retry_busy_port_s=15.0, **dht_args)
+        self.sampler = BatchSampler(self.corpus.train, cfg.batch_size, spec.seq_len, seed=spec.seed, stream_id=self.peer_id)
+        self.eval_set = held_out_batches(self.corpus.held_out, cfg.batch_size, spec.seq_len, cfg.eval_batches)
+        self.averager = self._averager_type()(
+            [t.clone() for t in self.outer.theta],
+            self.dht,
+            prefix=spec.run_id,
+            compression=spec.compression,
+            target_group_size=cfg.group_size,
+            matchmaking_time=cfg.matchmaking_time,
+            allreduce_timeout=cfg.allreduce_timeout,
+            max_norm_ratio=cfg.max_norm_ratio,
+            client_mode=self.client_mode,
+            state_provider=self._state_for_donation,
+        )
+        if not self.client_mode:
+            self.averager.state_sharing_priority = float(self.outer_step)
+        addrs = self.maddrs = visible_maddrs(self.dht)
+        self.records = PeerRecordPublisher(self.dht, spec.run_id, validators, self._record_snapshot, interval_s=5.0)
+        self.records.start()
+        self.status.log(
+            f"peer {self.peer_id} | run '{spec.run_id}' | model {spec.model} "
+            f"({num_parameters(self.model) / 1e6:.2f}M params) on {self.device} | data {self.corpus.description}"
+        )
+        if self.client_mode:  # nobody can dial a client: its addresses are useless to joiners
+            self.status.log("others cannot join through this node (it is a client); give them the address of a "
+                            "public peer, e.g. the one in your --initial-peers")
+        else:
+            self.status.log("to join from another machine: diloco-node join --run-id {} {}--initial-peers {}".format(
+                spec.run_id, "".join(f"{f} " for f in cfg.join_flags), " ".join(addrs) if addrs else "<this node's multiaddr>"))
+        self.metrics.write(
+            {
+                "event": "start",
+                "peer_id": self.peer_id,
+                "version": __version__,
+                "spec_hash": spec.spec_hash(),
+                "maddrs": addrs,
+                "device": str(self.device),
+                "outer_step": self.outer_step,
+            }
+        )
+
+    def _start_dht_or_rejoin(self, dht_args: dict[str, Any]):
+        """Start the DHT through ``--initial-peers``; without them, through the peers this node saw
+        before (``state_dir/peers.json``, node/known_peers.py), so a restarted first node rejoins its
+        swarm instead of starting a second one. If none of those answers, start a new swarm. If no
+        ``--initial-peers`` answer, try the known peers before giving up.
+
+        :raises SwarmError: as :func:`~diloco_swarm.dht.swarm.start_dht`; BootstrapFailed when neither
+            the ``--initial-peers`` nor the known peers answered.
+        """
+        from diloco_swarm.dht.swarm import BootstrapFailed, peer_ids_of, start_dht
+        from diloco_swarm.node.known_peers import known_peers_path, load_known_peers, remember_peers
+
+        cfg, run_id = self.cfg, self.spec.run_id
+        known = [a for a in load_known_peers(cfg.state_dir, run_id, warn=self.status.log) if a not in cfg.initial_peers]
+        n = len(peer_ids_of(known))
+        saw = f"the {n} peer{'s' if n != 1 else ''} of run '{run_id}' this node saw before ({known_peers_path(cfg.state_dir)})"
+        them = "them" if n != 1 else "it"
+        if cfg.initial_peers:
+            try:
+                dht = start_dht(initial_peers=cfg.initial_peers, client_mode=self.client_mode, **dht_args)
+            except BootstrapFailed as err:
+                # the swarm may have moved on (a restart from shell history): try where we last saw it
+                if not known or self.stop.requested:
+                    raise
+                self.status.log(f"none of the --initial-peers answered; dialing {saw}")
+                try:
+                    dht = start_dht(initial_peers=known, client_mode=self.client_mode, retry_busy_port_s=15.0,
+                                    **dht_args)
+                except BootstrapFailed:
+                    raise err from None
+                self.status.log(f"rejoined the swarm through {them}")
+                self.cfg = replace(cfg, initial_peers=known)
+                return dht
+            by_peer: dict[str, list[str]] = {}
+            for addr in cfg.initial_peers:  # they answered: worth remembering
+                for peer in peer_ids_of([addr]):
+                    by_peer.setdefault(peer, []).append(addr)
+            remember_peers(cfg.state_dir, run_id, by_peer, me=dht.peer_id.to_base58())
+            return dht
+        if not known:
+            return start_dht(initial_peers=[], client_mode=self.client_mode, **dht_args)
+        self.status.log(f"no --initial-peers: dialing {saw}")
+        try:
+            dht = start_dht(initial_peers=known, client_mode=self.client_mode, **dht_args)
+        except BootstrapFailed:
+            if self.stop.requested:
+                raise
+            self.status.log(f"{'none of them answered' if n != 1 else 'it did not answer'}; starting a new swarm of run '{run_id}' "
+                            "(to join a running one, restart with --initial-peers)")
+            return start_dht(initial_peers=[], client_mode=self.client_mode, retry_busy_port_s=15.0, **dht_args)
+        self.status.log(f"rejoined the swarm through {them}")
+        self.cfg = replace(cfg, initial_peers=known)
+        return dht
+
+    def _remember_peers(self, records: dict[str, Any]) -> None:
+        """Save the addresses of the full peers in ``records`` for a later restart (node/known_peers.py)."""
+        from diloco_swarm.node.known_peers import remember_peers
+
+        seen = {p: r.maddrs for p, r in records.items() if r.reachability != "client" and r.maddrs}
+        if seen:
+            remember_peers(self.cfg.state_dir, self.spec.run_id, seen, me=self.peer_id)
+
+    def _detect_reachability(self) -> str:
+        """Ask a public peer to dial us back (averaging/reachability.py) unless --client-mode or
+        --public decided it. :returns: "reachable", "unreachable" or "unknown"; sets ``reachability``."""
+        from diloco_swarm.averaging.averager import state_donors
+        from diloco_swarm.averaging.reachability import check_reachability, transport_addrs
+        from diloco_swarm.dht.swarm import peer_ids_of
+
+        cfg = self.cfg
+        if self.stop.requested:
+            return "unknown"
+        if self.client_mode:
+            self.status.log("client mode (--client-mode): this node dials out only; it averages through public "
+                            "peers but reduces no parts and donates no state")
+            return "unknown"
+        if cfg.public:
+            self.status.log("--public: reachability not checked; other peers must be able to dial "
+                            + (", ".join(cfg.announce) if cfg.announce else f"port {cfg.port or '(random)'}"))
+            return "unknown"
+        if not cfg.initial_peers:
+            return "unknown"  # the first peer: whoever joins through it proves it reachable
+        maddrs = transport_addrs(self.dht.get_visible_maddrs(latest=True))
+        candidates = [p for p in state_donors(self.dht, self.spec.run_id) if p != self.peer_id]
+        candidates += [p for p in peer_ids_of(cfg.initial_peers) if p not in candidates and p != self.peer_id]
+        verdict = check_reachability(self.dht, self.spec.run_id, candidates, maddrs)
+        self.metrics.write({"event": "reachability", "peer_id": self.peer_id, "reachable": verdict.reachable,
+                            "responder": verdict.responder, "reason": verdict.reason, "maddrs": maddrs})
+        if verdict.reachable is True:
+            self.reachability = "public"
+            self.status.log(f"reachable: peer {verdict.responder} dialed us back; serving as a full peer")
+            return "reachable"
+        if verdict.reachable is None:
+            self.status.log(f"could not check reachability ({verdict.reason}); serving as a full peer. Behind a home "
+                            "router without port forwarding? Restart with --client-mode")
+            return "unknown"
+        port = cfg.port or "PORT"
+        self.status.log(
+            f"unreachable: peer {verdict.responder} could not dial us back ({verdict.reason}); running as a client "
+            f"(trains and averages, but reduces no parts and donates no state). To serve as a full peer, forward TCP "
+            f"port {port} on your router and restart with --port {port} --announce /ip4/YOUR_PUBLIC_IP/tcp/{port} "
+            "(docs/networking.md); or run as is"
+        )
+        return "unreachable"
+
+    def _restore(self, ckpt: dict[str, Any]) -> None:
+        try:
+            self.outer.load_state_dict(ckpt["outer"])
+            self.inner_opt.load_state_dict(ckpt["inner_optimizer"])
+            self.outer_step = int(ckpt["outer_step"])
+            self.stats.inner_steps_total = int(ckpt["inner_steps_total"])
+            self.stats.tokens_total = int(ckpt["tokens_total"])
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise CheckpointError(
+                f"checkpoint {checkpoint_path(self.cfg.state_dir)} does not fit this model ({e}); "
+                "move it away to start fresh"
+            ) from None
+        inner_state = [v for state in self.inner_opt.state.values() for v in state.values()
+                       if torch.is_tensor(v) and v.is_floating_point()]
+        if not all(torch.isfinite(t).all() for t in self.outer.theta + self.outer.momentum_buffers() + inner_state):
+            raise CheckpointError(
+                f"checkpoint {checkpoint_path(self.cfg.state_dir)} holds non-finite values; move it away to start "
+                f"fresh, or restore {self.cfg.state_dir / 'checkpoint.prev.pt'}"
+            )
+        self.outer.copy_to(self.params)
+
+    def _wait_for_peers(self) -> None:
+        """Optional start barrier (``--wait-for-peers N``): wait until N peers, us included, are up."""
+        want = self.cfg.wait_for_peers
+        if want <= 1:
+            return
+        deadline = time.monotonic() + self.cfg.wait_for_peers_timeout
+        self.status.log(f"waiting for {want} peers (at most {self.cfg.wait_for_peers_timeout:.0f}s)")
+        from diloco_swarm.dht.records import read_peer_records
+
+        while not self.stop.requested:
+            # clients are not state donors, but every peer publishes a record
+            seen = max(1 + len(self.averager.donors()), len(read_peer_records(self.dht, self.spec.run_id)))
+            if seen >= want:
+                return
+            if time.monotonic() > deadline:
+                self.status.log(f"only {seen} of {want} peers showed up; starting anyway")
+                return
+            time.sleep(0.5)

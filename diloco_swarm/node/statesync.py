@@ -1,0 +1,230 @@
+"""State sync: a peer's θ_global, outer momentum and outer step, downloaded and adopted.
+
+- **Join sync**: a late joiner adopts the state of the most advanced peer (`_join_sync`).
+- **Reconcile**: after a round, the members that started it from a θ_global other than the
+  canonical one download the canonical state, and a peer more than one outer step behind the
+  swarm downloads the newest (`_reconcile`, on the averaging thread; the training thread adopts it).
+- **Donation**: this peer serves a consistent snapshot of its state (`_state_for_donation`).
+
+A mixin of :class:`diloco_swarm.node.runner.Node`: it uses the node's θ_global (``outer``),
+averager, run spec, lock and reports. Every payload comes from an untrusted peer and is checked
+against the run spec before anything changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MAX_DONOR_TRIES = 4
+STATE_CHUNK_TIMEOUT_S = 10.0
+
+
+@dataclass
+class DownloadedState:
+    """A peer's checked state (θ_global + outer momentum tensors, fp32 CPU) and where it came from."""
+
+    donor: str
+    meta: dict[str, Any]
+    tensors: list[torch.Tensor]
+    received: int  # bytes
+    seconds: float
+    reason: str  # join | diverged | lagging
+
+
+class StateSync:
+    """Join sync, reconcile and state donation of a :class:`~diloco_swarm.node.runner.Node`."""
+
+    def _state_for_donation(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """(metadata, θ_global tensors + outer momentum tensors), a consistent snapshot."""
+        with self._state_lock:
+            theta = [t.clone() for t in self.outer.theta]
+            momentum = self.outer.momentum_buffers()
+            step = self.outer_step
+        meta = {"outer_step": step, "spec_hash": self.spec.spec_hash(), "theta_digest": theta_digest(theta),
+                "peer_id": self.peer_id}
+        return meta, theta + momentum
+
+    def _check_state(self, meta: Any, tensors: list[torch.Tensor], min_step: int) -> str | None:
+        """Why a downloaded state is unusable, or None. The donor is untrusted."""
+        n = len(self.outer.theta)
+        if not isinstance(meta, dict):
+            return "no metadata"
+        if meta.get("spec_hash") != self.spec.spec_hash():
+            return "it belongs to another run spec"
+        step = meta.get("outer_step")
+        if not isinstance(step, int) or step < min_step:
+            return f"its outer step {step!r} is older than {min_step}"
+        if len(tensors) != 2 * n:
+            return f"{len(tensors)} tensors instead of {2 * n}"
+        for t, ref in zip(tensors, self.outer.theta + self.outer.theta):
+            if t.shape != ref.shape or t.dtype != torch.float32:
+                return "tensor shapes or dtypes differ from this model"
+            if not torch.isfinite(t).all():
+                return "non-finite values"
+        if theta_digest(tensors[:n]) != meta.get("theta_digest"):
+            return "θ_global does not match its digest"
+        return None
+
+    def _join_sync(self) -> None:
+        """Late joiner: adopt the state of the most advanced peer if it is ahead of ours."""
+        if not self.cfg.initial_peers:
+            return
+        deadline = time.monotonic() + 5.0
+        donors: dict[str, float] = {}
+        while not donors and time.monotonic() < deadline and not self.stop.requested:
+            donors = self.averager.donors()
+            if not donors:
+                time.sleep(0.5)
+        if not donors:
+            # Bootstrap check (guards against DHT splits, hivemind #624): we were given initial
+            # peers but see nobody of this run. Re-bootstrap once, then warn in one line.
+            with contextlib.suppress(Exception):
+                self.dht.run_coroutine(_rebootstrap(self.cfg.initial_peers))
+            time.sleep(1.0)
+            donors = self.averager.donors()
+        if not donors:
+            self.status.log(f"warning: this node sees no other peer of run '{self.spec.run_id}' yet; check "
+                            "--run-id and --initial-peers. Training alone until peers appear; starting from "
+                            + ("our checkpoint" if self.outer_step else "the initial weights"))
+            return
+        newest = int(max(donors.values()))
+        if newest > self.outer_step and not self._sync_state(min_step=newest, reason="join", attempts=3):
+            self.status.log(f"could not download the swarm's state (outer step {newest}); "
+                            f"continuing from outer step {self.outer_step}")
+
+    def _reconcile(self, gathered: dict[str, Any], mine: tuple[int, str]) -> "DownloadedState | None":
+        """After a round: if the group's members started it from different θ_global, the
+        members not holding the canonical one (among states a member can donate: newest outer
+        step, then most members, then digest order) download it from one that does; and a peer more
+        than one outer step behind the swarm's newest downloads too (lagging peer).
+        :returns: the state to adopt instead of applying the round, or None."""
+        entries: dict[str, tuple[int, str]] = {}
+        for peer, meta in gathered.items():
+            if isinstance(meta, dict) and isinstance(meta.get("outer_step"), int) and isinstance(
+                meta.get("theta_digest"), str
+            ):
+                entries[peer] = (meta["outer_step"], meta["theta_digest"])
+        entries[self.peer_id] = mine
+        donors = self.averager.donors()
+        if len(set(entries.values())) > 1:
+            # Only a state some member can donate may win: a client that trained alone for a while
+            # has the newest outer step, but nobody can download it (and it is one peer's history).
+            donatable = {e for p, e in entries.items() if p in donors or (p == self.peer_id and not self.client_mode)}
+            votes = Counter(e for e in entries.values() if e in donatable or not donatable)
+            canonical = max(votes, key=lambda e: (e[0], votes[e], e[1]))
+            if mine != canonical:
+                holders = [p for p, e in entries.items() if e == canonical]
+                return self._download_state(min_step=canonical[0] + 1, reason="diverged", candidates=holders,
+                                            attempts=6)
+        if donors and max(donors.values()) > mine[0] + 1:
+            return self._download_state(min_step=int(max(donors.values())), reason="lagging")
+        return None
+
+    def _download_state(self, *, min_step: int, reason: str, candidates: list[str] | None = None,
+                        attempts: int = 1) -> "DownloadedState | None":
+        """Download θ_global, outer momentum and outer step from a live peer (any thread; adopts nothing).
+
+        Donors: ``candidates`` if given, else the most advanced peers that share state (a random
+        one first, so no single donor is choked), then the others. Each payload is checked
+        against the run spec before use; a failed or bad donor is skipped.
+        :returns: the checked state, or None when no donor gave a usable one.
+        """
+        max_bytes = 2 * sum(t.numel() for t in self.outer.theta) * 4 + (1 << 20)
+        t0 = time.monotonic()
+        for attempt in range(attempts):
+            if self.stop.requested:
+                return False
+            if candidates is not None:
+                order = [p for p in candidates if p != self.peer_id]
+                random.shuffle(order)
+            else:
+                donors = {p: s for p, s in self.averager.donors().items() if s >= min_step}
+                if not donors:
+                    return False
+                best = max(donors.values())
+                top = [p for p, s in donors.items() if s == best]
+                rest = sorted((p for p in donors if donors[p] != best), key=lambda p: -donors[p])
+                random.shuffle(top)
+                order = top + rest
+            for peer in order[:MAX_DONOR_TRIES]:
+                try:
+                    meta, tensors, received = self.averager.download_state(
+                        peer, timeout=STATE_CHUNK_TIMEOUT_S, max_bytes=max_bytes
+                    )
+                except Exception as e:
+                    self.status.log(f"state download from {peer} failed: {e}")
+                    continue
+                problem = self._check_state(meta, tensors, min_step)
+                if problem is not None:
+                    if "older than" not in problem:
+                        self.status.log(f"refused the state of {peer}: {problem}")
+                    continue
+                return DownloadedState(donor=peer, meta=meta, tensors=tensors, received=received,
+                                       seconds=time.monotonic() - t0, reason=reason)
+            if attempt + 1 < attempts:
+                time.sleep(0.5)
+        return None
+
+    def _adopt_state(self, state: "DownloadedState") -> None:
+        """θ_global, outer momentum and outer step ← a downloaded state; θ_local ← θ_global."""
+        n = len(self.outer.theta)
+        with self._state_lock:
+            before = self.outer_step
+            self.outer.load_theta_and_momentum(state.tensors[:n], state.tensors[n:])
+            self.outer.copy_to(self.params)
+            self.outer_step = state.meta["outer_step"]
+        self.stats.state_syncs += 1
+        self.stats.sync_s += state.seconds
+        self.metrics.write({"event": "state_sync", "peer_id": self.peer_id, "donor": state.donor,
+                            "reason": state.reason, "from_outer_step": before, "outer_step": self.outer_step,
+                            "bytes": state.received, "seconds": round(state.seconds, 3),
+                            "theta_digest": state.meta["theta_digest"]})
+        self.status.log(f"state sync ({state.reason}): outer step {before} -> {self.outer_step} from {state.donor} "
+                        f"({state.received / 1e6:.1f} MB in {state.seconds:.1f}s)")
+
+    def _sync_state(self, *, min_step: int, reason: str, candidates: list[str] | None = None,
+                    attempts: int = 1) -> bool:
+        """Download a live peer's state and adopt it now (before training: join sync).
+        :returns: True when a state was adopted."""
+        state = self._download_state(min_step=min_step, reason=reason, candidates=candidates, attempts=attempts)
+        if state is None:
+            return False
+        self._adopt_state(state)
+        self._checkpoint()
+        return True
+
+
+class _rebootstrap:
+    """DHT coroutine (runs in the DHT process): ping the initial peers again to refill the routing table."""
+
+    def __init__(self, initial_peers: list[str]):
+        self.initial_peers = list(initial_peers)
+
+    async def __call__(self, _dht, node) -> None:
+        import asyncio
+
+        from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
+
+        for addr in self.initial_peers:
+            try:
+                maddr = Multiaddr(addr)
+                peer_id = PeerID.from_base58(maddr.value_for_protocol("p2p"))
+                await asyncio.wait_for(node.p2p._client.connect(peer_id, [maddr.decapsulate(f"/p2p/{peer_id}")]), 5)
+                await asyncio.wait_for(node.protocol.call_ping(peer_id), 5)
+            except Exception:
+                continue  # that peer is still away; try the others
+
+
+def theta_digest(theta: list[torch.Tensor]) -> str:
+    """sha256 (16 hex digits) of θ_global's fp32 bytes (``averaging.averager.tensors_digest``)."""
+    from diloco_swarm.averaging.averager import tensors_digest
+
+    return tensors_digest(theta)

@@ -1,0 +1,102 @@
+"""The counters of one node: the single source of its metrics records, status line and peer record.
+
+Every figure a node reports (docs/metrics.md, the status line, the signed peer record of
+docs/dashboard.md) is a field here or derived from one, so the three views never disagree.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class NodeStats:
+    """Wall seconds by activity (goodput), round counters, bytes and the newest measurements.
+
+    Seconds are wall seconds (``time.monotonic``); tokens are the model's tokens.
+    """
+
+    started: float = field(default_factory=time.monotonic)
+    inner_s: float = 0.0  # all inner steps
+    wasted_inner_s: float = 0.0  # inner steps whose Δ was thrown away (state re-sync, stop)
+    averaging_s: float = 0.0  # the training thread waiting for a round (blocking mode: the whole round)
+    sync_s: float = 0.0  # waiting for peers and downloading state
+    eval_s: float = 0.0  # held-out evaluation on the training thread
+    failed_rounds: int = 0  # a group formed, but its round was partial or unconfirmed (our Δ applied)
+    solo_rounds: int = 0  # no group formed
+    state_syncs: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    tokens_total: int = 0
+    inner_steps_total: int = 0
+    eval_loss: float | None = None  # held-out loss of θ_global, taken at eval_outer_step
+    eval_outer_step: int = 0
+    tokens_per_s: float | None = None  # tokens / inner seconds of the last phase
+    inner_step_s: float | None = None  # seconds per inner step in the last phase (DyLU)
+    phase_eta: float = 0.0  # unix time at which the current phase should end (0 = unknown)
+    peers_seen: int = 1
+    last_round: dict[str, Any] | None = None
+    live: dict[str, Any] = field(default_factory=dict)  # the running phase: inner_step, loss, tokens_per_s
+
+    def wall_s(self) -> float:
+        return time.monotonic() - self.started
+
+    def goodput(self) -> float:
+        """Share of wall time spent in inner steps whose Δ was applied."""
+        total = self.wall_s()
+        return min(1.0, max(0.0, (self.inner_s - self.wasted_inner_s) / total)) if total > 0 else 0.0
+
+    def count_round(self, result) -> None:
+        """Account one applied round (``averaging.averager.RoundResult``)."""
+        if not result.ok and result.group_size >= 2:
+            self.failed_rounds += 1
+        elif result.group_size < 2:
+            self.solo_rounds += 1
+        self.bytes_sent += result.bytes_sent
+        self.bytes_received += result.bytes_received
+        self.last_round = {"group_size": result.group_size, "bytes_sent": result.bytes_sent,
+                           "averaging_s": result.seconds, "round_ok": result.ok, "reason": result.reason}
+
+    def totals(self) -> dict[str, Any]:
+        """The cumulative fields of every ``outer_step`` metrics record."""
+        return {
+            "tokens_total": self.tokens_total,
+            "failed_rounds": self.failed_rounds,
+            "solo_rounds": self.solo_rounds,
+            "state_syncs": self.state_syncs,
+            "inner_s": round(self.inner_s, 3),
+            "wasted_inner_s": round(self.wasted_inner_s, 3),
+            "averaging_total_s": round(self.averaging_s, 3),
+            "sync_s": round(self.sync_s, 3),
+            "eval_s": round(self.eval_s, 3),
+            "wall_s": round(self.wall_s(), 3),
+            "goodput": round(self.goodput(), 4),
+        }
+
+    def status(self, *, outer_step: int, inner_steps: int, reachability: str) -> dict[str, Any]:
+        """The fields of :class:`~diloco_swarm.node.report.StatusLine`."""
+        return {**self.live, "outer_step": outer_step, "inner_steps": inner_steps, "peers_seen": self.peers_seen,
+                "last_round": self.last_round, "failed_rounds": self.failed_rounds, "reachability": reachability,
+                "goodput": self.goodput()}
+
+    def peer_record(self) -> dict[str, Any]:
+        """This node's measured fields of its signed peer record (dht/records.py)."""
+        last = self.last_round or {}
+        return {
+            "tokens_per_s": float(self.tokens_per_s or self.live.get("tokens_per_s", 0.0)),
+            "loss": self.live.get("loss"),
+            "eval_loss": self.eval_loss,
+            "tokens_total": self.tokens_total,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "last_round_group_size": int(last.get("group_size", 0)),
+            "last_round_s": float(last.get("averaging_s", 0.0)),
+            "last_round_ok": last.get("round_ok"),
+            "failed_rounds": self.failed_rounds,
+            "goodput": self.goodput(),
+            "uptime_s": self.wall_s(),
+            "inner_step_s": float(self.inner_step_s or 0.0),
+            "phase_eta": float(self.phase_eta),
+        }
