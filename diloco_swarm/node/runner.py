@@ -21,7 +21,7 @@ import random
 import signal
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ import torch
 
 from diloco_swarm import __version__
 from diloco_swarm.data import BatchSampler, evaluate, held_out_batches, load_corpus
+from diloco_swarm.dht.lineages import MAX_THETA_MARKS
 from diloco_swarm.models import build_model, num_parameters
 from diloco_swarm.node.checkpoint import (CheckpointError, checkpoint_path, load_checkpoint,
                                           remove_stale_temp_files, save_checkpoint)
@@ -125,6 +126,7 @@ class Node:
         self.metrics = MetricsWriter(config.metrics_file)
         self.failed_rounds = 0  # a group formed, but its round was partial/unconfirmed (our Δ applied)
         self.solo_rounds = 0  # no group formed in the window
+        self.theta_marks: deque = deque(maxlen=MAX_THETA_MARKS)  # (outer step, θ digest our round produced)
         self.state_syncs = 0
         self.bytes_sent_total = 0
         self.bytes_received_total = 0
@@ -400,6 +402,7 @@ class Node:
             "goodput": min(1.0, max(0.0, self.clock.goodput())),
             "uptime_s": time.monotonic() - self.clock.started,
             "maddrs": [] if self.client_mode else self.maddrs,  # a client cannot be dialed
+            "theta_marks": self.theta_marks.copy(),  # copy(): atomic, the publisher runs in its own thread
         }
 
     # ------------------------------------------------------------------ state transfer
@@ -754,6 +757,7 @@ class Node:
                     self.outer.copy_to(self.params)
                     self.outer_step += 1
                 round_step, round_digest = self.outer_step, _theta_digest(self.outer.theta)
+                self.theta_marks.append((round_step, round_digest))
                 self.tokens_total += tokens
                 self._checkpoint()
                 if not self.client_mode:
