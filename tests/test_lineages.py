@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import deque
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -96,6 +97,8 @@ def test_hostile_marks_are_bounded_and_skipped():
     huge = [{"step": i, "digest": f"{i:016x}"} for i in range(10_000)]
     assert list(marks_of(huge)) == list(range(10_000 - MAX_THETA_MARKS, 10_000))
     assert lineage_summary({"a": "not a list", "b": junk})["lineages"] is None
+    # what the node hands its record publisher: a deque of (step, digest) tuples
+    assert marks_of(deque([(4, "ab" * 8), (5, "cd" * 8)], maxlen=MAX_THETA_MARKS)) == {4: "ab" * 8, 5: "cd" * 8}
 
 
 def rec(peer: str, theta_marks: list[dict], **over) -> PeerRecord:

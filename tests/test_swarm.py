@@ -67,7 +67,7 @@ def test_three_peers_train_average_and_agree(tmp_path):
         logged = {n.events("start")[0]["peer_id"]: {r["outer_step"]: r["theta_digest"] for r in n.outer_steps()}
                   for n in nodes}
         published = {row["peer_id"]: {m["step"]: m["digest"] for m in row["theta_marks"]} for row in doc["peers"]}
-        assert len(published) >= 2 and all(marks for marks in published.values()), doc["peers"]
+        assert len(published) >= 2 and all(marks for marks in published.values()), [(r["outer_step"], r["theta_marks"], r["age_s"]) for r in doc["peers"]]
         for peer, marks in published.items():
             assert marks.items() <= logged[peer].items(), (peer, marks, logged[peer])
         lineage = doc["summary"]["lineage"]

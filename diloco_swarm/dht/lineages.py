@@ -22,6 +22,7 @@ No I/O, no hivemind import: ``status``, the dashboard's JSON and ``/metrics`` (t
 from __future__ import annotations
 
 import re
+from collections import deque
 from typing import Any, Iterable, Mapping
 
 MAX_THETA_MARKS = 8  # (step, digest) pairs per record: compares peers up to 7 outer steps apart
@@ -32,15 +33,16 @@ _MAX_STEP = 10**18
 
 
 def marks_of(raw: Any) -> dict[int, str]:
-    """``{outer_step: digest}`` from one record's ``theta_marks`` (dicts or pairs, oldest first).
+    """``{outer_step: digest}`` from one record's ``theta_marks`` (a list, tuple or deque of dicts or
+    pairs, oldest first).
 
     Malformed entries are skipped; a repeated step keeps its last digest; at most
     :data:`MAX_THETA_MARKS` of the newest steps are kept, so a hostile list cannot grow the work.
     """
     out: dict[int, str] = {}
-    if not isinstance(raw, (list, tuple)):
+    if not isinstance(raw, (list, tuple, deque)):
         return out
-    for item in raw[-4 * MAX_THETA_MARKS:]:
+    for item in list(raw)[-4 * MAX_THETA_MARKS:]:
         if isinstance(item, Mapping):
             step, digest = item.get("step"), item.get("digest")
         elif isinstance(item, (list, tuple)) and len(item) == 2:
