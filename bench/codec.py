@@ -4,6 +4,8 @@ Codecs, all on fp32 CPU tensors:
 
 - ``int8 blockwise (ours)``: ``diloco_swarm.averaging.codec.encode`` / ``decode`` (bitsandbytes
   blockwise dynamic code, absmax per block), bytes in and out, with all its checks;
+- ``bitsandbytes kernels only``: ``bitsandbytes.functional.quantize_blockwise`` /
+  ``dequantize_blockwise`` on tensors, no checks, no wire bytes: the ceiling of ours;
 - ``fp16``: ``tensor.half()`` / ``.float()``;
 - ``hivemind Uniform8Bit``: ``hivemind.compression.Uniform8BitQuantization`` through its
   ``CompressionBase`` API (``compress(tensor, CompressionInfo.from_tensor(tensor))`` / ``extract``).
@@ -11,7 +13,8 @@ Codecs, all on fp32 CPU tensors:
   array, the same bug as ``BlockwiseQuantization``); when it does, the benchmark times a copy of
   that method with the one-line fix and says so.
 
-Throughput = fp32 input bytes (4·n) / seconds, median of the repeats; error = RMSE / RMS of the
+Throughput = fp32 input bytes (4·n) / seconds, median of the repeats (round trip = encode +
+decode of the same tensor, per CPU second); error = RMSE / RMS of the
 input, on Gaussian values and on "mixed-scale" values (blocks of 65,536 values whose scales span
 1e-5..1e-2, like a flat pseudo-gradient over layers of different magnitudes).
 """
@@ -41,6 +44,7 @@ def _codecs() -> dict[str, dict[str, Any]]:
     from diloco_swarm.averaging import codec as ours
 
     hm = Uniform8BitQuantization()
+    bnb, code = ours._bnb_functional(), ours._dynamic_code()
     patched = {"extract_patched": False, "extract_error": ""}
 
     def hm_extract_fixed(serialized):
@@ -66,6 +70,13 @@ def _codecs() -> dict[str, dict[str, Any]]:
             "decode": lambda b, n: ours.decode(b, expected_numel=n),
             "size": len,
             "note": f"blocksize {ours.BLOCKSIZE}",
+        },
+        "bitsandbytes kernels only": {
+            "encode": lambda t: bnb.quantize_blockwise(t, code=code, blocksize=ours.BLOCKSIZE),
+            "decode": lambda q, n: bnb.dequantize_blockwise(q[0], absmax=q[1].absmax, code=code,
+                                                            blocksize=ours.BLOCKSIZE),
+            "size": lambda q: q[0].numel() + 4 * q[1].absmax.numel(),
+            "note": f"blocksize {ours.BLOCKSIZE}, no checks",
         },
         "fp16": {
             "encode": lambda t: t.half(),
@@ -97,15 +108,18 @@ def _rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _breakdown(x: torch.Tensor, repeats: int) -> dict[str, float]:
-    """Where our codec's CPU time goes: the finiteness check and the bitsandbytes kernels (median CPU s)."""
+    """Where our codec's CPU time goes: the finiteness check and the bitsandbytes kernels (median CPU s);
+    also the elementwise ``isfinite().all()`` pass the codec used before (for comparison)."""
     from diloco_swarm.averaging import codec as ours
 
     bnb, code, bs = ours._bnb_functional(), ours._dynamic_code(), ours.BLOCKSIZE
+    _, finite, _ = timed(lambda: ours._check_finite(x), repeats)
     _, isfinite, _ = timed(lambda: bool(torch.isfinite(x).all()), repeats)
     _, quant, (codes, state) = timed(lambda: bnb.quantize_blockwise(x, code=code, blocksize=bs), repeats)
     _, dequant, _ = timed(lambda: bnb.dequantize_blockwise(codes, absmax=state.absmax, code=code, blocksize=bs),
                           repeats)
-    return {"isfinite_check_cpu_s": median(isfinite), "bnb_quantize_cpu_s": median(quant),
+    return {"finite_check_cpu_s": median(finite), "isfinite_pass_cpu_s": median(isfinite),
+            "bnb_quantize_cpu_s": median(quant),
             "bnb_dequantize_cpu_s": median(dequant)}
 
 
@@ -180,11 +194,16 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
                   "fixed in one line (`int(arr[0])`); a swarm using hivemind's uniform 8-bit codec would fail "
                   "every round here, like `BlockwiseQuantization` (see DESIGN.md).\n")
     ours = {r["values"]: r for r in rows if r["codec"].startswith("int8")}
+    kernels = {r["values"]: r for r in rows if r["codec"].startswith("bitsandbytes")}
     fp16 = {r["values"]: r for r in rows if r["codec"] == "fp16"}
     hm = {r["values"]: r for r in rows if r["codec"].startswith("hivemind")}
     lines = []
     for n in sorted(ours):
-        parts = []
+        parts = [f"ours round-trips {ours[n]['roundtrip_gbps_cpu']:.3f} GB per CPU second"]
+        if n in kernels:
+            parts.append(f"{ours[n]['roundtrip_gbps_cpu'] / kernels[n]['roundtrip_gbps_cpu']:.2f}× the speed of "
+                         f"bitsandbytes' quantize + dequantize kernels alone "
+                         f"({kernels[n]['roundtrip_gbps_cpu']:.3f} GB/CPU-s: the ceiling with these kernels)")
         if n in fp16:
             parts.append(f"fp16 round trip is {fp16[n]['roundtrip_gbps_cpu'] / ours[n]['roundtrip_gbps_cpu']:.2f}× "
                          f"the speed of ours at {fp16[n]['bytes_per_value'] / ours[n]['bytes_per_value']:.2f}× the "
@@ -202,10 +221,13 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         if not b:
             continue
         enc, dec = median(r["encode_cpu_s"]), median(r["decode_cpu_s"])
+        check = b.get("finite_check_cpu_s", b.get("isfinite_check_cpu_s", 0.0))
+        old = f" (the elementwise `isfinite` pass it replaced: {1000 * b['isfinite_pass_cpu_s']:.1f} ms)" \
+            if "isfinite_pass_cpu_s" in b else ""
         out.append(f"- {human_count(n)} values: encode {1000 * enc:.1f} ms = bitsandbytes `quantize_blockwise` "
-                   f"{1000 * b['bnb_quantize_cpu_s']:.1f} ms + `isfinite` check {1000 * b['isfinite_check_cpu_s']:.1f} "
-                   f"ms + the rest (copies, serialization) "
-                   f"{1000 * max(enc - b['bnb_quantize_cpu_s'] - b['isfinite_check_cpu_s'], 0):.1f} ms; decode "
+                   f"{1000 * b['bnb_quantize_cpu_s']:.1f} ms + finiteness check {1000 * check:.1f} ms{old} "
+                   f"+ the rest (copies, serialization) "
+                   f"{1000 * max(enc - b['bnb_quantize_cpu_s'] - check, 0):.1f} ms; decode "
                    f"{1000 * dec:.1f} ms, of which `dequantize_blockwise` {1000 * b['bnb_dequantize_cpu_s']:.1f} ms.")
     if out:
         md.append("\nWhere our codec's CPU time goes (medians; the parts were timed separately in the same run):\n\n"

@@ -109,6 +109,42 @@ def test_non_finite_input_raises(bad):
         encode(x)
 
 
+@pytest.mark.parametrize("where", [0, 1023, 1024, 5000, 10_239, 10_240, 10_499])  # first, block edges, tail
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_anywhere_is_refused(where, bad):
+    # 10,500 values: 10 full blocks and a partial one. bitsandbytes' CPU absmax skips NaN, so the
+    # check must not rely on the block scales.
+    x = gaussian(10_500, seed=5)
+    x[where] = bad
+    with pytest.raises(CodecError, match="1 non-finite value"):
+        encode(x)
+    x[where], x[-1] = float("inf"), float("-inf")  # +Inf and -Inf together: their sum is NaN
+    with pytest.raises(CodecError, match="non-finite"):
+        encode(x)
+
+
+def test_finite_values_whose_sum_overflows_are_accepted():
+    x = torch.full((4096,), 3.0e38)  # finite, but the fp32 sum is inf: the exact check decides
+    out = roundtrip(x)
+    assert torch.isfinite(out).all() and rel_rmse(out, x) < 0.02
+
+
+@pytest.mark.parametrize("n", [1, 1000, 1024, 70_001])
+def test_wire_bytes_are_exactly_bitsandbytes_blockwise_output(n):
+    """The buffer is header | bitsandbytes' absmax | its codes, and decoding is its dequantize: bit for bit."""
+    import bitsandbytes.functional as F
+
+    x = gaussian(n, seed=n, scale=1e-3)
+    dyn = F.create_dynamic_map(signed=True).float()
+    codes, state = F.quantize_blockwise(x.clone(), code=dyn.clone(), blocksize=BLOCKSIZE)
+    expected = HEADER.pack(b"DQ8", 1, BLOCKSIZE, n) + state.absmax.float().numpy().astype("<f4").tobytes() \
+        + codes.numpy().tobytes()
+    buf = encode(x)
+    assert buf == expected
+    ref = F.dequantize_blockwise(codes, absmax=state.absmax, code=dyn.clone(), blocksize=BLOCKSIZE)
+    assert torch.equal(decode(buf), ref)
+
+
 def test_float64_beyond_fp32_range_raises():
     with pytest.raises(CodecError, match="non-finite"):
         encode(torch.tensor([1e300, 1.0], dtype=torch.float64))

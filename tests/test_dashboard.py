@@ -301,7 +301,8 @@ def helper_swarm():
                       record_validators=validators, use_relay=False, use_auto_relay=False)
             dhts.append(dht)
             snap = {**rec(dht.peer_id.to_base58(), name=name, outer_step=1, loss=3.0 - i * 0.2,
-                          tokens_per_s=1000.0 + 200 * i, reachability="client" if i else "public").dict()}
+                          tokens_per_s=1000.0 + 200 * i, reachability="client" if i else "public",
+                          theta_marks=[{"step": 1, "digest": f"{i:016x}"}]).dict()}  # two lineages
             snap["updated"] = None  # the publisher fills in "now"
             pub = PeerRecordPublisher(dht, run_id, validators, lambda s=snap: dict(s), interval_s=1.0)
             pub.start()
@@ -325,11 +326,13 @@ def test_status_command_reads_the_swarm(helper_swarm, tmp_path):
     doc = json.loads(out.stdout)
     assert {p["peer_id"] for p in doc["peers"]} == {p.peer_id for p in helper_swarm.peers}
     assert doc["summary"]["peers_online"] == 2 and doc["summary"]["tokens_per_s"] == 2200.0
+    assert doc["summary"]["lineages"] == 2 and doc["summary"]["lineage"]["compared_step"] == 1
     table = subprocess.run(args, capture_output=True, text=True, timeout=90, cwd=REPO,
                            env={**os.environ, "COLUMNS": "200"})
     assert table.returncode == 0, table.stderr
     assert "alice" in table.stdout and "[bold red]x" in table.stdout
-    assert "2 peers online · 2.2k tok/s · newest outer step 1 · mean loss 2.900" in table.stdout
+    assert "2 peers online · 2.2k tok/s · newest outer step 1 · mean loss 2.900 · 2 θ lineages" in table.stdout
+    assert "warning" not in table.stdout  # 2 lineages at one step is not (yet) a split
     bad = subprocess.run([sys.executable, "-m", "diloco_swarm", "status", "--initial-peers",
                           "/ip4/127.0.0.1/tcp/9/p2p/" + helper_swarm.peers[0].peer_id],
                          capture_output=True, text=True, timeout=90, cwd=REPO)

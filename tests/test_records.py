@@ -32,6 +32,7 @@ def snapshot(peer_id: str = "12D3KooWTestPeer", **over) -> dict:
         outer_step=3, tokens_per_s=123.5, loss=2.5, eval_loss=2.6, tokens_total=1000, bytes_sent=10,
         bytes_received=20, last_round_group_size=2, last_round_s=0.5, last_round_ok=True, failed_rounds=0,
         goodput=0.9, uptime_s=12.0, updated=time.time(),
+        theta_marks=[{"step": 2, "digest": "00ff00ff00ff00ff"}, {"step": 3, "digest": "0123456789abcdef"}],
     )
     base.update(over)
     return base
@@ -72,6 +73,11 @@ def test_schema_is_strict_and_bounded():
         {"maddrs": ["/ip4/1.2.3.4/tcp/1"] * 9},  # too many addresses
         {"maddrs": [1]},
         {"maddrs": "/ip4/1.2.3.4/tcp/1"},  # a string, not a list
+        {"theta_marks": [{"step": i, "digest": "ab" * 8} for i in range(9)]},  # more than 8 marks
+        {"theta_marks": [{"step": 1, "digest": "<not hex>"}]},
+        {"theta_marks": [{"step": 1.0, "digest": "ab" * 8}]},
+        {"theta_marks": [{"step": 1, "digest": "ab" * 8, "extra": 1}]},
+        {"theta_marks": [[1, "ab" * 8]]},  # a pair, not a mark: the DHT would see a type conversion
     ]
     for over in bad:
         with pytest.raises(ValueError):
@@ -93,6 +99,11 @@ def test_normalize_snapshot_coerces_clamps_and_drops():
     assert out["maddrs"] == []  # a snapshot without addresses (a client)
     many = normalize_snapshot(snapshot(maddrs=["/ip4/1.2.3.4/tcp/1"] * 20 + ["x" * 300]), now=1.0)["maddrs"]
     assert many == ["/ip4/1.2.3.4/tcp/1"] * 8
+    # marks: pairs or dicts, bad ones dropped, the newest 8 steps kept in order
+    raw_marks = [(i, f"{i:016x}") for i in range(12)] + [(99, "NOT HEX"), ("7", "ab" * 8), [5, "cd" * 8]]
+    marks = normalize_snapshot(snapshot(theta_marks=raw_marks), now=1.0)["theta_marks"]
+    assert [m["step"] for m in marks] == list(range(4, 12)) and marks[1] == {"step": 5, "digest": "cd" * 8}
+    assert normalize_snapshot(snapshot(theta_marks="junk"), now=1.0)["theta_marks"] == []
     # exactly what the DHT's SchemaValidator accepts: parsing changes nothing
     assert PeerRecord.parse_obj(out).dict() == out
 
@@ -163,6 +174,7 @@ def test_publish_read_round_trip_and_remove(swarm):
         pub.start()
         got = wait_for(lambda: read_peer_records(swarm.b, RUN).get(peer_a))
         assert got is not None and got.name == "alice" and got.outer_step == 1 and got.loss == 2.5
+        assert [(m.step, m.digest) for m in got.theta_marks] == [(2, "00ff00ff00ff00ff"), (3, "0123456789abcdef")]
         # the thread keeps it fresh; publish_now pushes a change at once
         snap["outer_step"] = 2
         assert pub.publish_now() is True
@@ -208,7 +220,8 @@ def test_malformed_records_are_rejected_and_never_crash_readers(swarm):
     # honest nodes refuse them (C, without the schema validator, may keep them: readers must cope).
     bad_values = [({**snapshot("PeerB"), "outer_step": "many"}, own_b), ({**snapshot("PeerB"), "tokens_per_s": 5}, own_b),
                   ({**snapshot("PeerB"), "name": "x" * 1000}, own_b),
-                  ({**snapshot("PeerB"), "maddrs": ["/ip4/10.0.0.1/tcp/1"] * 1000}, own_b), (123, None)]
+                  ({**snapshot("PeerB"), "maddrs": ["/ip4/10.0.0.1/tcp/1"] * 1000}, own_b),
+                  ({**snapshot("PeerB"), "theta_marks": [{"step": 1, "digest": "ab" * 8}] * 1000}, own_b), (123, None)]
     for value, subkey in bad_values:
         swarm.b.store(key, value, expiration_time=expiration, subkey=subkey)
     for reader in (swarm.a, swarm.b):

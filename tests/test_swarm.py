@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from swarmlib import Swarm, load_theta, relative_difference, theta_by_step
@@ -17,6 +21,10 @@ def test_three_peers_train_average_and_agree(tmp_path):
         a = swarm.start("a")
         b = swarm.start("b", initial=a, wait_start=False)
         c = swarm.start("c", initial=a, wait_start=False)
+        swarm.wait(lambda: all(n.outer_steps() for n in (a, b, c)), 200, "a first outer step on every node")
+        # what `status` says about lineages while they train: from the θ digests the nodes publish
+        status = subprocess.run([sys.executable, "-m", "diloco_swarm", "status", "--json", "--run-id", "swarm3",
+                                 "--initial-peers", a.maddr()], capture_output=True, text=True, timeout=90)
         for node in (a, b, c):
             assert swarm.wait_exit(node, 240) == 0, node.output()[-3000:]
 
@@ -51,6 +59,21 @@ def test_three_peers_train_average_and_agree(tmp_path):
         assert common, digests
         for step in common:
             assert len(set(digests[step].values())) == 1, (step, digests[step])
+
+        # `status --json`: every peer's published marks are the digests its rounds logged, and the
+        # lineage count is the number of distinct ones at the compared step
+        assert status.returncode == 0, status.stderr
+        doc = json.loads(status.stdout)
+        logged = {n.events("start")[0]["peer_id"]: {r["outer_step"]: r["theta_digest"] for r in n.outer_steps()}
+                  for n in nodes}
+        published = {row["peer_id"]: {m["step"]: m["digest"] for m in row["theta_marks"]} for row in doc["peers"]}
+        assert len(published) >= 2 and all(marks for marks in published.values()), [(r["outer_step"], r["theta_marks"], r["age_s"]) for r in doc["peers"]]
+        for peer, marks in published.items():
+            assert marks.items() <= logged[peer].items(), (peer, marks, logged[peer])
+        lineage = doc["summary"]["lineage"]
+        step = lineage["compared_step"]
+        assert step is not None and lineage["peers_compared"] >= 2, lineage
+        assert doc["summary"]["lineages"] == len({m[step] for m in published.values() if step in m}) >= 1
 
         # Final checkpoints agree within the int8 tolerance.
         thetas = [load_theta(n) for n in nodes]

@@ -141,6 +141,9 @@ def summary_line(totals: dict[str, Any]) -> str:
     step = totals["newest_outer_step"]
     parts.append(f"newest outer step {'–' if step is None else step}")
     parts.append(f"mean loss {_f(totals['mean_loss'])}")
+    lineages = totals["lineages"]
+    if lineages is not None:
+        parts.append(f"{lineages} θ lineage{'s' if lineages != 1 else ''}")
     return " · ".join(parts)
 
 
@@ -185,4 +188,6 @@ def status(
         return
     out.print(render_table(rows, run_id, width=out.width))
     out.print(Text(summary_line(totals)))
+    if totals["lineage"]["warning"]:
+        out.print(Text("warning: " + totals["lineage"]["warning"], style="yellow"), soft_wrap=True)
 

@@ -46,6 +46,12 @@ class SwarmCollector:
         yield swarm_gauge("diloco_swarm_failed_rounds", "Sum of failed averaging rounds of online and stale peers.",
                           totals["failed_rounds"])
         yield swarm_gauge("diloco_swarm_tokens", "Tokens trained by the listed peers.", totals["tokens_total"])
+        yield swarm_gauge("diloco_swarm_lineages",
+                          "Distinct θ_global lineages among online peers at the newest outer step two of them "
+                          "passed (absent when unknown; see docs/protocol.md).", totals["lineages"])
+        yield swarm_gauge("diloco_swarm_split",
+                          "1 when online peers have held 2+ lineages at each of the last 3 compared outer steps.",
+                          int(totals["split"]))
         yield swarm_gauge("diloco_dashboard_last_poll_ok", "1 when the last DHT poll succeeded.",
                           None if doc["last_poll_ok"] is None else int(doc["last_poll_ok"]))
 

@@ -238,12 +238,27 @@ def _totals(doc: dict[str, Any]) -> str:
          f'{t["failed_rounds"]} failed rounds'),
         ("mean-loss", "Mean loss", fmt_float(t["mean_loss"]), f'held-out {fmt_float(t["mean_eval_loss"])}'),
         ("tokens-total", "Tokens trained", fmt_si(t["tokens_total"]), "by the listed peers"),
+        ("lineages", "θ lineages", "–" if t["lineages"] is None else str(t["lineages"]), _lineage_note(t)),
     ]
     return '<section class="totals">' + "".join(
         f'<div class="card stat" id="total-{key}"><div class="k">{name}</div><div class="v">{value}</div>'
         f'<div class="s">{sub}</div></div>'
         for key, name, value, sub in cards
     ) + "</section>"
+
+
+def _lineage_note(t: dict[str, Any]) -> str:
+    lin = t.get("lineage") or {}
+    if lin.get("split"):
+        return '<span class="bad">split: groups no longer meet</span>'
+    if lin.get("compared_step") is None:
+        return "no outer step to compare yet"
+    return f'at outer step {int(lin["compared_step"])} · {int(lin["peers_compared"])} peers'
+
+
+def _lineage_warning(doc: dict[str, Any]) -> str:
+    warning = ((doc.get("totals") or {}).get("lineage") or {}).get("warning")
+    return f'<p class="warning" id="split-warning">warning: {text(warning, 400)}</p>' if warning else ""
 
 
 def _round(row: dict[str, Any]) -> str:
@@ -326,7 +341,7 @@ def render_live(doc: dict[str, Any], now: float | None = None) -> str:
         status = f'<span class="dot ok"></span>live · DHT read {fmt_duration(now - doc["last_poll"])} ago'
     else:
         status = '<span class="dot bad"></span>cannot read the DHT right now; showing the last known state'
-    return (f'<p class="status" id="status">{status}</p>' + _totals(doc) + _charts(doc, colors, now)
+    return (f'<p class="status" id="status">{status}</p>' + _lineage_warning(doc) + _totals(doc) + _charts(doc, colors, now)
             + _peer_table(doc, colors))
 
 
@@ -374,6 +389,7 @@ td.col-1{max-width:16em;white-space:normal}
 code.pid{font-size:.8rem;color:var(--dim);white-space:nowrap}
 tr.stale td{opacity:.55}tr.gone td{opacity:.38}tr.gone .name{text-decoration:line-through}
 .badge{display:inline-block;border-radius:99px;padding:0 8px;font-size:.75rem;font-weight:600;border:1px solid}
+.warning{color:var(--bad);font-weight:600;margin:4px 0 10px}
 .badge.online{color:var(--ok)}.badge.stale{color:var(--warn)}.badge.gone{color:var(--dim)}
 .dim{color:var(--dim)}.bad{color:var(--bad)}
 .states{list-style:none;padding:0;margin:10px 0 0;display:flex;flex-wrap:wrap;gap:4px 18px;color:var(--dim);font-size:.82rem}

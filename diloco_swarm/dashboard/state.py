@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from diloco_swarm.dht.lineages import lineage_summary_of_rows
 from diloco_swarm.dht.records import FIELDS, PeerEntry, PeerRecord
 
 logger = logging.getLogger(__name__)
@@ -281,14 +282,16 @@ def _columns(samples: Iterable[list], names: tuple[str, ...]) -> dict[str, list]
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Swarm totals over peer rows (dicts with a ``state`` and the record fields).
 
-    Rates and losses count online peers only; the newest outer step counts online and stale ones;
-    tokens trained count every listed peer.
+    Rates, losses and θ_global lineages count online peers only; the newest outer step counts
+    online and stale ones; tokens trained count every listed peer. ``lineages`` and ``split`` are
+    :func:`diloco_swarm.dht.lineages.lineage_summary`'s, which ``lineage`` holds whole.
     """
     online = [r for r in rows if r["state"] == "online"]
     live = [r for r in rows if r["state"] in ("online", "stale")]
     losses = [r["loss"] for r in online if _num(r.get("loss")) is not None]
     evals = [r["eval_loss"] for r in online if _num(r.get("eval_loss")) is not None]
     steps = [r["outer_step"] for r in live if _num(r.get("outer_step")) is not None]
+    lineage = lineage_summary_of_rows(rows)
     return {
         "peers_online": len(online),
         "peers_stale": sum(r["state"] == "stale" for r in rows),
@@ -300,4 +303,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "mean_eval_loss": round(sum(evals) / len(evals), 6) if evals else None,
         "failed_rounds": int(sum(r.get("failed_rounds") or 0 for r in live)),
         "direct_peers": sum(r.get("reachability") in ("public", "unverified") for r in online),
+        "lineages": lineage["lineages"],
+        "split": lineage["split"],
+        "lineage": lineage,
     }

@@ -37,6 +37,8 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from diloco_swarm.dht.lineages import DIGEST_PATTERN, MAX_THETA_MARKS, marks_of
+
 logger = logging.getLogger(__name__)
 
 RECORDS_FIELD = "peers"  # the DHT key is f"{run_id}_{RECORDS_FIELD}"
@@ -60,6 +62,16 @@ MAX_MADDR = 256
 
 def records_key(run_id: str) -> str:
     return f"{run_id}_{RECORDS_FIELD}"
+
+
+class ThetaMark(pv1.BaseModel):
+    """The θ_global digest this peer's own outer step ``step`` produced (dht/lineages.py)."""
+
+    step: pv1.conint(strict=True, ge=0, le=MAX_COUNT)
+    digest: pv1.constr(strict=True, regex=DIGEST_PATTERN)
+
+    class Config:
+        extra = pv1.Extra.forbid
 
 
 class PeerRecord(pv1.BaseModel):
@@ -93,6 +105,8 @@ class PeerRecord(pv1.BaseModel):
     # DHT time at which this peer expects to hand off its current inner phase (0 = unknown): a
     # round's leader waits for the peers about to arrive (progress alignment, node/runner.py)
     phase_eta: pv1.confloat(strict=True, ge=0.0, le=MAX_TIME) = 0.0
+    # the last few (outer step, θ_global digest) pairs, oldest first: how many lineages the swarm holds
+    theta_marks: pv1.conlist(ThetaMark, max_items=MAX_THETA_MARKS) = []
 
     class Config:
         extra = pv1.Extra.forbid
@@ -202,6 +216,7 @@ def normalize_snapshot(snapshot: dict[str, Any], *, now: float | None = None) ->
     out["last_round_ok"] = None if ok is None else bool(ok)
     maddrs = snapshot.get("maddrs") or []
     out["maddrs"] = [str(a) for a in maddrs if isinstance(a, str) and len(a) <= MAX_MADDR][:MAX_MADDRS]
+    out["theta_marks"] = [{"step": s, "digest": d} for s, d in marks_of(snapshot.get("theta_marks")).items()]
     if not out["updated"]:
         out["updated"] = float(time.time() if now is None else now)
     PeerRecord.parse_obj(out)  # raises ValueError (pydantic's ValidationError) on a bad peer_id

@@ -374,6 +374,7 @@ class Node(Startup, StateSync):
             with self._state_lock:
                 self.sync.apply(outcome.average, estimate)
                 self.outer_step += 1
+            self.stats.theta_marks.append((self.outer_step, theta_digest(self.outer.theta)))
         self.stats.tokens_total += handoff.tokens
         self._after_round(handoff, result, round_step, during_inner_step)
 

@@ -7,8 +7,11 @@ docs/dashboard.md) is a field here or derived from one, so the three views never
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+from diloco_swarm.dht.lineages import MAX_THETA_MARKS
 
 
 @dataclass
@@ -39,6 +42,8 @@ class NodeStats:
     peers_seen: int = 1
     last_round: dict[str, Any] | None = None
     live: dict[str, Any] = field(default_factory=dict)  # the running phase: inner_step, loss, tokens_per_s
+    # (outer step, θ digest) our own rounds produced, newest last: the swarm's lineages (dht/lineages.py)
+    theta_marks: deque = field(default_factory=lambda: deque(maxlen=MAX_THETA_MARKS))
 
     def wall_s(self) -> float:
         return time.monotonic() - self.started
@@ -99,4 +104,5 @@ class NodeStats:
             "uptime_s": self.wall_s(),
             "inner_step_s": float(self.inner_step_s or 0.0),
             "phase_eta": float(self.phase_eta),
+            "theta_marks": self.theta_marks.copy(),  # copy(): the publisher reads it on its own thread
         }
