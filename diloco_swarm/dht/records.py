@@ -65,7 +65,7 @@ def records_key(run_id: str) -> str:
 
 
 class ThetaMark(pv1.BaseModel):
-    """The θ_global digest this peer's own outer step ``step`` produced (dht/lineages.py)."""
+    """The digest of the θ_global this peer held at the end of outer step ``step`` (dht/lineages.py)."""
 
     step: pv1.conint(strict=True, ge=0, le=MAX_COUNT)
     digest: pv1.constr(strict=True, regex=DIGEST_PATTERN)

@@ -9,6 +9,9 @@ all-reduce, and torchft's ``EventInjector`` injects failures from outside).
 - ``huge``: this peer contributes Δ × 1e6 (a hostile peer).
 - ``stall-allreduce``: this peer hangs in the all-reduce after its first part, and touches
   ``state_dir/allreduce-stalled`` so a test knows when.
+- ``claim-ahead``: this peer claims an outer step 1000 ahead of its own everywhere others read it
+  (round metadata, state donation, its signed record and donor priority), with its real θ_global:
+  a forged "newest state" that would make the others download its model.
 - ``--slowdown F``: every inner step takes F times as long (a slower machine).
 """
 
@@ -24,8 +27,9 @@ import torch
 
 from diloco_swarm.node.runner import Node
 
-FAULTS = ("nan", "huge", "stall-allreduce")
+FAULTS = ("nan", "huge", "stall-allreduce", "claim-ahead")
 HUGE_FACTOR = 1e6
+CLAIM_AHEAD_STEPS = 1000
 STALL_MARKER_NAME = "allreduce-stalled"
 
 
@@ -40,7 +44,7 @@ def node_type(fault: str, slowdown: float = 1.0) -> type[Node]:
     if slowdown > 1.0:
         bases.append(SlowInnerSteps)
     bases += {"": [], "nan": [NonFiniteScalesNode], "huge": [HugeContributionNode],
-              "stall-allreduce": [StallingNode]}[fault]
+              "stall-allreduce": [StallingNode], "claim-ahead": [ClaimAheadNode]}[fault]
     return type("FaultyNode", (*bases, Node), {}) if bases else Node
 
 
@@ -57,6 +61,26 @@ class SlowInnerSteps(Node):
 class HugeContributionNode(Node):
     def _contribution(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
         return [d * HUGE_FACTOR for d in delta]
+
+
+class ClaimAheadNode(Node):
+    def _round_metadata(self, handoff):
+        return {**super()._round_metadata(handoff), "outer_step": handoff.outer_step + CLAIM_AHEAD_STEPS}
+
+    def _state_for_donation(self):
+        meta, tensors = super()._state_for_donation()
+        return {**meta, "outer_step": meta["outer_step"] + CLAIM_AHEAD_STEPS}, tensors
+
+    def _donor_priority(self) -> float:
+        return super()._donor_priority() + CLAIM_AHEAD_STEPS
+
+    def _record_snapshot(self):
+        from diloco_swarm.node.statesync import theta_digest
+
+        record = super()._record_snapshot()
+        step = record["outer_step"] + CLAIM_AHEAD_STEPS
+        marks = [*record.get("theta_marks", []), (step, theta_digest(self.outer.theta))]
+        return {**record, "outer_step": step, "theta_marks": marks}
 
 
 class NonFiniteScalesNode(Node):

@@ -293,10 +293,8 @@ class Node(Startup, StateSync):
             return RoundResult(ok=False, group_size=1, reason="no public peer: every peer is a client"), own
         if self.sync.overlap and not self._others_online():
             return RoundResult(ok=False, group_size=1, reason="no other peer online"), own
-        metadata = {"outer_step": handoff.outer_step, "tokens": handoff.tokens, "spec_hash": self.spec.spec_hash(),
-                    "theta_digest": handoff.theta_digest}
         return self.averager.average(self._contribution(handoff.delta), weight=max(handoff.tokens, 1),
-                                     metadata=metadata, timeout=self.cfg.averaging_window, stop=control.stop,
+                                     metadata=self._round_metadata(handoff), timeout=self.cfg.averaging_window, stop=control.stop,
                                      give_up=control.give_up, digest_wait=DIGEST_WAIT_S,
                                      scheduled_time=self._aligned_start(handoff))
 
@@ -350,6 +348,15 @@ class Node(Startup, StateSync):
 
         return PseudoGradientAverager
 
+    def _round_metadata(self, handoff: Handoff) -> dict[str, Any]:
+        """What the group's members gather from us: the θ_global we started the round from."""
+        return {"outer_step": handoff.outer_step, "tokens": handoff.tokens, "spec_hash": self.spec.spec_hash(),
+                "theta_digest": handoff.theta_digest}
+
+    def _donor_priority(self) -> float:
+        """Our priority among state donors (hivemind's ``state_sharing_priority``): our outer step."""
+        return float(self.outer_step)
+
     def _contribution(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
         """What this peer sends to the all-reduce: its Δ (a fault subclass may send something else)."""
         return delta
@@ -383,7 +390,7 @@ class Node(Startup, StateSync):
         metrics record and the status line; DHT upkeep on the housekeeping thread."""
         self._save_checkpoint_in_background()
         if not self.client_mode:
-            self.averager.state_sharing_priority = float(self.outer_step)
+            self.averager.state_sharing_priority = self._donor_priority()
         self._evaluate(force=0 < self.cfg.max_outer_steps <= self.outer_step)
         self.metrics.write({**self._round_record(handoff, result, round_step),
                             "applied_at_inner_step": during_inner_step})

@@ -20,6 +20,7 @@ from diloco_swarm.node.checkpoint import CheckpointError, checkpoint_path, load_
 from diloco_swarm.node.errors import NodeError
 from diloco_swarm.node.outer import OuterOptimizer
 from diloco_swarm.node.outer_sync import OuterSync
+from diloco_swarm.node.statesync import theta_digest
 
 MIN_INNER_STEPS_FRACTION = 0.25  # DyLU range: a phase plans H/4 .. 2H inner steps
 MAX_INNER_STEPS_FACTOR = 2
@@ -88,6 +89,8 @@ class Startup:
         if checkpoint is not None:
             self._restore(checkpoint)
             self.status.log(f"resumed from {checkpoint_path(cfg.state_dir)} at outer step {self.outer_step}")
+            # the state we hold: with another holder's record, evidence for a joiner (node/statesync.py)
+            self.stats.theta_marks.append((self.outer_step, theta_digest(self.outer.theta)))
 
         from diloco_swarm.averaging import codec
 
@@ -123,7 +126,7 @@ class Startup:
             state_provider=self._state_for_donation,
         )
         if not self.client_mode:
-            self.averager.state_sharing_priority = float(self.outer_step)
+            self.averager.state_sharing_priority = self._donor_priority()
         addrs = self.maddrs = visible_maddrs(self.dht)
         self.records = PeerRecordPublisher(self.dht, spec.run_id, validators, self._record_snapshot, interval_s=5.0)
         self.records.start()

@@ -24,6 +24,35 @@ import torch
 
 MAX_DONOR_TRIES = 4
 STATE_CHUNK_TIMEOUT_S = 10.0
+EVIDENCE_QUORUM = 2  # distinct signing keys whose records must claim a state before a peer adopts it
+EVIDENCE_RETRY_S = 0.5  # a fresh round's output may take a moment to reach its members' records
+
+
+def evidenced_states(entries, me: str) -> dict[tuple[int, str], set[str]]:
+    """The states (outer step, θ digest) that other peers' signed records support.
+
+    A state counts when at least :data:`EVIDENCE_QUORUM` distinct record owners (signing keys) claim
+    it among the θ marks of their own rounds, or all of them when fewer are online. One peer's word,
+    however advanced, never makes a state canonical: the owner keys sign the records, so a single
+    hostile peer cannot speak for others (docs/architecture.md, threat model).
+
+    :param entries: ``dht.records.read_peer_entries`` output (verified, signed records).
+    :param me: our peer id: our own record is no evidence for us.
+    :returns: ``{(outer_step, digest): {peer id of a claimant, ...}}`` of the supported states.
+    """
+    from diloco_swarm.dht.lineages import marks_of
+
+    claims: dict[tuple[int, str], dict[str, str]] = {}  # state -> {owner: the peer id its record names}
+    owners = set()
+    for entry in entries or []:
+        record = entry.record
+        if record is None or record.peer_id == me:
+            continue
+        owners.add(entry.owner)
+        for step, digest in marks_of([(m.step, m.digest) for m in record.theta_marks]).items():
+            claims.setdefault((step, digest), {})[entry.owner] = record.peer_id
+    quorum = min(EVIDENCE_QUORUM, max(1, len(owners)))
+    return {state: set(who.values()) for state, who in claims.items() if len(who) >= quorum}
 
 
 @dataclass
@@ -94,10 +123,20 @@ class StateSync:
                             "--run-id and --initial-peers. Training alone until peers appear; starting from "
                             + ("our checkpoint" if self.outer_step else "the initial weights"))
             return
-        newest = int(max(donors.values()))
-        if newest > self.outer_step and not self._sync_state(min_step=newest, reason="join", attempts=3):
+        evidence = self._evidence()
+        newest = max((step for step, _ in evidence), default=0)
+        if newest > self.outer_step and not self._sync_state(min_step=newest, reason="join", attempts=3,
+                                                             candidates=self._holders(evidence, newest)):
             self.status.log(f"could not download the swarm's state (outer step {newest}); "
                             f"continuing from outer step {self.outer_step}")
+
+    def _evidence(self) -> dict[tuple[int, str], set[str]]:
+        """:func:`evidenced_states` from a fresh read of the swarm's signed records."""
+        from diloco_swarm.dht.records import read_peer_entries
+
+        return evidenced_states(read_peer_entries(self.dht, self.spec.run_id), self.peer_id)
+
+
 
     def _reconcile(self, gathered: dict[str, Any], mine: tuple[int, str]) -> "DownloadedState | None":
         """After a round: if the group's members started it from different θ_global, the
@@ -112,20 +151,43 @@ class StateSync:
             ):
                 entries[peer] = (meta["outer_step"], meta["theta_digest"])
         entries[self.peer_id] = mine
+        evidence = self._evidence()
+        newest = max((step for step, _ in evidence), default=0)
+        if len(set(entries.values())) == 1:
+            if newest > mine[0] + 1:  # the swarm is ahead of this whole group
+                return self._download_state(min_step=newest, reason="lagging", candidates=self._holders(evidence, newest))
+            return None
         donors = self.averager.donors()
-        if len(set(entries.values())) > 1:
-            # Only a state some member can donate may win: a client that trained alone for a while
-            # has the newest outer step, but nobody can download it (and it is one peer's history).
-            donatable = {e for p, e in entries.items() if p in donors or (p == self.peer_id and not self.client_mode)}
-            votes = Counter(e for e in entries.values() if e in donatable or not donatable)
-            canonical = max(votes, key=lambda e: (e[0], votes[e], e[1]))
-            if mine != canonical:
-                holders = [p for p, e in entries.items() if e == canonical]
-                return self._download_state(min_step=canonical[0] + 1, reason="diverged", candidates=holders,
-                                            attempts=6)
-        if donors and max(donors.values()) > mine[0] + 1:
-            return self._download_state(min_step=int(max(donors.values())), reason="lagging")
+        for peer, entry in entries.items():
+            if entry[0] > mine[0] and entry not in evidence and peer != self.peer_id:
+                self._warn_unsupported(peer, entry[0])
+        # Only a state that other peers' signed records support (or our own) may win, and only one
+        # some member can donate: a client that trained alone has the newest outer step, but nobody
+        # can download it (and it is one peer's history).
+        donatable = {e for p, e in entries.items()
+                     if (p in donors and e in evidence) or (p == self.peer_id and not self.client_mode)}
+        votes = Counter(e for e in entries.values() if e in donatable or not donatable)
+        canonical = max(votes, key=lambda e: (e[0], votes[e], e[1]))
+        if mine != canonical:
+            holders = [p for p, e in entries.items() if e == canonical]
+            return self._download_state(min_step=canonical[0] + 1, reason="diverged", candidates=holders,
+                                        attempts=6)
+        if newest > mine[0] + 1:
+            return self._download_state(min_step=newest, reason="lagging", candidates=self._holders(evidence, newest))
         return None
+
+    @staticmethod
+    def _holders(evidence: dict[tuple[int, str], set[str]], min_step: int) -> list[str]:
+        """Peer ids whose records claim a supported state at ``min_step`` or later: the donors to ask."""
+        return sorted({p for (step, _), peers in evidence.items() if step >= min_step for p in peers})
+
+    def _warn_unsupported(self, peer: str, step: int) -> None:
+        """Name, once per peer, a peer that claims a state no other peer's signed record supports."""
+        warned = self.__dict__.setdefault("_unsupported_claims", set())
+        if peer not in warned:
+            warned.add(peer)
+            self.status.log(f"warning: peer {peer} claims outer step {step}, which no other peer's signed record "
+                            "supports; not following it")
 
     def _download_state(self, *, min_step: int, reason: str, candidates: list[str] | None = None,
                         attempts: int = 1) -> "DownloadedState | None":
@@ -140,14 +202,15 @@ class StateSync:
         t0 = time.monotonic()
         for attempt in range(attempts):
             if self.stop.requested:
-                return False
+                return None
+            evidence = self._evidence()
             if candidates is not None:
                 order = [p for p in candidates if p != self.peer_id]
                 random.shuffle(order)
             else:
                 donors = {p: s for p, s in self.averager.donors().items() if s >= min_step}
                 if not donors:
-                    return False
+                    return None
                 best = max(donors.values())
                 top = [p for p, s in donors.items() if s == best]
                 rest = sorted((p for p in donors if donors[p] != best), key=lambda p: -donors[p])
@@ -162,6 +225,11 @@ class StateSync:
                     self.status.log(f"state download from {peer} failed: {e}")
                     continue
                 problem = self._check_state(meta, tensors, min_step)
+                if problem is None and (meta["outer_step"], meta["theta_digest"]) not in evidence:
+                    evidence = self._evidence()  # the records of a fresh round may just be arriving
+                    if (meta["outer_step"], meta["theta_digest"]) not in evidence:
+                        problem = (f"its state (outer step {meta['outer_step']}) is claimed by no other peer's "
+                                   "signed record")
                 if problem is not None:
                     if "older than" not in problem:
                         self.status.log(f"refused the state of {peer}: {problem}")
@@ -169,7 +237,7 @@ class StateSync:
                 return DownloadedState(donor=peer, meta=meta, tensors=tensors, received=received,
                                        seconds=time.monotonic() - t0, reason=reason)
             if attempt + 1 < attempts:
-                time.sleep(0.5)
+                time.sleep(EVIDENCE_RETRY_S)
         return None
 
     def _adopt_state(self, state: "DownloadedState") -> None:
@@ -180,6 +248,7 @@ class StateSync:
             self.outer.load_theta_and_momentum(state.tensors[:n], state.tensors[n:])
             self.outer.copy_to(self.params)
             self.outer_step = state.meta["outer_step"]
+        self.stats.theta_marks.append((self.outer_step, state.meta["theta_digest"]))
         self.stats.state_syncs += 1
         self.stats.sync_s += state.seconds
         self.metrics.write({"event": "state_sync", "peer_id": self.peer_id, "donor": state.donor,
