@@ -52,3 +52,32 @@ def test_a_peer_claiming_a_far_newer_state_is_not_followed(tmp_path):
         named = [n.name for n in (a, b, d) if hid in n.output() and (
             "claims outer step" in n.output() or "claimed by no other peer" in n.output())]
         assert named, "\n".join(n.output()[-2000:] for n in (a, b, d))
+
+
+@pytest.mark.timeout(600)
+def test_members_stop_joining_a_peer_that_drops_their_parts(tmp_path):
+    """A hostile reducer refuses every honest member's part (hidden ``--fault drop-part``). The members
+    learn it from its refusal of their valid parts, and neither join its groups nor let it join theirs."""
+    with Swarm(tmp_path, "dropper", extra=["--wait-for-peers", "3"]) as swarm:
+        a = swarm.start("a", timeout=START_S)
+        b = swarm.start("b", initial=a, wait_start=False)
+        h = swarm.start("h", "--fault", "drop-part", initial=a, timeout=START_S)
+        swarm.wait(lambda: b.events("start"), START_S, "b starts", b)
+        hid = peer_id(h)
+
+        def avoids(node):
+            return f"Avoiding peer {hid}" in node.output()
+
+        swarm.wait(lambda: avoids(a) and avoids(b), 240, "a and b detect h", a)
+        t = max(n.events()[-1]["time"] for n in (a, b))
+
+        def honest_rounds_after(node):
+            return [r for r in node.outer_steps() if r["time"] > t and r["round_ok"]]
+
+        swarm.wait(lambda: len(honest_rounds_after(a)) >= 2 and len(honest_rounds_after(b)) >= 2, 240,
+                   "a and b average together after detecting h", a)
+        for node in (a, b):
+            # a group that formed before the detection may still finish; later ones never hold h
+            later = [r for r in node.outer_steps() if r["time"] > t][1:]
+            assert later and all(hid not in r["group"] for r in later), (node.name, later)
+            assert all(set(r["group"]) == {peer_id(a), peer_id(b)} for r in honest_rounds_after(node)), node.name

@@ -192,3 +192,11 @@ def test_one_round_at_a_time():
     sync.abandon(timeout=2)
     with pytest.raises(RuntimeError, match="no round"):
         sync.take(timeout=0)
+
+
+def test_the_cli_knows_every_fault():
+    """The CLI checks --fault before importing torch: its list must be node/faults.py's."""
+    from diloco_swarm.cli.app import FAULT_NAMES
+    from diloco_swarm.node.faults import FAULTS
+
+    assert FAULT_NAMES == ("", *FAULTS)

@@ -37,6 +37,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_
 logger = get_logger(__name__)
 
 MAX_SENDER_WEIGHT = 1e12  # tokens; far above any honest round
+REFUSED_OUR_PART = "refused our part"  # a reducer's reason in RoundStats.failed_reducers when it refused us
 _RMS_FLOOR = 1e-3  # absolute RMS an incoming part may always have (covers an all-zero local part)
 
 
@@ -119,6 +120,8 @@ class ConsensusAllReduceRunner(AllReduceRunner):
             part_index = 0
 
             def _try_deserialize(msg):
+                if msg.code == averaging_pb2.PROTOCOL_VIOLATION:
+                    raise AllreduceException(f"{peer_id} {REFUSED_OUR_PART}")
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
                 if msg.tensor_part.compression != self._compression.compression_type:
@@ -188,6 +191,8 @@ class ConsensusAllReduceRunner(AllReduceRunner):
                 if problem is not None:
                     self.stats.rejected_senders[sender_id.to_base58()] = problem
                     logger.warning(f"Rejected peer {sender_id.to_base58()}: it {problem}")
+                    # say so: a sender whose part was valid learns that we refused it (averager.py avoids us then)
+                    yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
                     break
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(

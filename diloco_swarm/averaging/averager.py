@@ -33,7 +33,7 @@ from hivemind.utils import MPFuture, get_dht_time, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
-from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner, RoundStats
+from diloco_swarm.averaging.allreduce import REFUSED_OUR_PART, ConsensusAllReduceRunner, RoundStats
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
 from diloco_swarm.averaging.reachability import Responder
 from diloco_swarm.utils.hivemind_fixes import keep_task_alive
@@ -51,6 +51,7 @@ class _QuietExpectedFailures(logging.Filter):
 logging.getLogger("hivemind.averaging.averager").addFilter(_QuietExpectedFailures())
 
 _STILL_LOOKING = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
+AVOID_REFUSER_S = 600.0  # a reducer that refused our valid part: avoided this long
 
 FAILED_MARK = "failed"  # published under the round key by a member whose round was partial
 
@@ -148,6 +149,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self._round_stats: dict[str, RoundStats] = {}
         self._state_provider = state_provider
         self._banned_peers: set[str] = set()  # lives in the averager process
+        self._avoided_peers: dict[str, float] = {}  # peer id -> time.monotonic() until which we avoid it
         self._reachability = Responder()  # answers dial-back checks (public peers only)
         # hivemind's run_in_background() sets SIGINT to SIG_IGN in *our* process (meaning the
         # child); keep the child's SIG_IGN but give the caller its Ctrl+C handler back.
@@ -214,13 +216,46 @@ class PseudoGradientAverager(DecentralizedAverager):
             for peer, reason in stats.rejected_senders.items():
                 if "too slow" not in reason and "did not send all parts" not in reason:
                     self._banned_peers.add(peer)  # broke the protocol: never lead it again
+            for peer, reason in stats.failed_reducers.items():
+                # Our part was valid (we are honest): that reducer refuses honest members. A reducer
+                # that timed out is not avoided: under load an honest one does too, and a crashed one is gone.
+                if REFUSED_OUR_PART in reason:
+                    self._avoid(peer, AVOID_REFUSER_S, "it refused our valid part")
         return {"gathered": gathered, "stats": dataclasses.asdict(stats)}
+
+    def _avoid(self, peer: str, seconds: float, why: str) -> None:
+        """Neither join a group this peer leads nor let it join ours, for ``seconds``."""
+        self._avoided_peers[peer] = time.monotonic() + seconds
+        logger.warning(f"Avoiding peer {peer} for {seconds:.0f}s: {why}")
+
+    def _avoids(self, peer: str) -> bool:
+        until = self._avoided_peers.get(peer)
+        if until is not None and time.monotonic() >= until:
+            del self._avoided_peers[peer]
+            return False
+        return until is not None
+
+    async def _step(self, *, step, future_for_init):
+        """hivemind's step, with matchmaking that skips the leaders we avoid (installed once)."""
+        matchmaking = getattr(self, "_matchmaking", None)
+        if matchmaking is not None and not getattr(matchmaking, "_skips_avoided_leaders", False):
+            request_join_group = matchmaking._request_join_group
+
+            async def _request_join_group(leader):
+                if self._avoids(leader.to_base58()):
+                    return None  # hivemind's matchmaking then tries the next potential leader
+                return await request_join_group(leader)
+
+            matchmaking._request_join_group = _request_join_group
+            matchmaking._skips_avoided_leaders = True
+        return await super()._step(step=step, future_for_init=future_for_init)
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        """As a group leader, turn away peers that sent us invalid data before."""
-        if context.remote_id.to_base58() in self._banned_peers:
+        """As a group leader, turn away peers that sent us invalid data or refused our valid part before."""
+        peer = context.remote_id.to_base58()
+        if peer in self._banned_peers or self._avoids(peer):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for response in super().rpc_join_group(request, context):

@@ -57,6 +57,9 @@ class Compression(str, Enum):
     fp32 = "fp32"
 
 
+FAULT_NAMES = ("", "nan", "huge", "stall-allreduce", "claim-ahead", "drop-part")  # = node/faults.py FAULTS
+
+
 class SyncMode(str, Enum):
     overlap = "overlap"
     blocking = "blocking"
@@ -111,7 +114,7 @@ def join(
     allreduce_timeout: Annotated[float, typer.Option(min=1.0, help="Seconds the all-reduce may take once a group formed.", rich_help_panel=AVERAGING)] = 60.0,
     eval_budget: Annotated[float, typer.Option(min=0.0, max=1.0, help="Evaluate the held-out loss after an outer step only while evaluation has taken less than this share of wall time (0.02 = 2%); the last value is reported in between.", rich_help_panel=LOCAL)] = 0.02,
     slowdown: Annotated[float, typer.Option(hidden=True, min=1.0, help="Test/bench-only: make each inner step take this many times as long.")] = 1.0,
-    fault: Annotated[str, typer.Option(hidden=True, help="Test-only fault injection: nan | huge | stall-allreduce | claim-ahead.")] = "",
+    fault: Annotated[str, typer.Option(hidden=True, help="Test-only fault injection: nan | huge | stall-allreduce | claim-ahead | drop-part.")] = "",
     debug_dump_rounds: Annotated[Optional[Path], typer.Option(hidden=True, help="Test-only: save each round's local and applied pseudo-gradient here.")] = None,
 ) -> None:
     """Join (or start) a training swarm and train until stopped.
@@ -124,8 +127,8 @@ def join(
     from diloco_swarm.node.config import NodeConfig
     from diloco_swarm.spec import RunSpec, run_id_problem
 
-    if fault not in ("", "nan", "huge", "stall-allreduce", "claim-ahead"):  # node/faults.py (not imported: it loads torch)
-        raise fail(f"--fault must be nan, huge, stall-allreduce or claim-ahead, got '{fault}'")
+    if fault not in FAULT_NAMES:  # node/faults.py's (not imported here: it loads torch)
+        raise fail(f"--fault must be one of {', '.join(FAULT_NAMES[1:])}, got '{fault}'")
     if target_group_size == 1:
         raise fail("--target-group-size must be 0 (the whole swarm) or at least 2")
     if matchmaking_time >= averaging_window:

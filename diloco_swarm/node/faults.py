@@ -9,6 +9,8 @@ all-reduce, and torchft's ``EventInjector`` injects failures from outside).
 - ``huge``: this peer contributes Δ × 1e6 (a hostile peer).
 - ``stall-allreduce``: this peer hangs in the all-reduce after its first part, and touches
   ``state_dir/allreduce-stalled`` so a test knows when.
+- ``drop-part``: as a reducer, this peer refuses every other member's part (a hostile leader or
+  reducer that drops honest members' contributions).
 - ``claim-ahead``: this peer claims an outer step 1000 ahead of its own everywhere others read it
   (round metadata, state donation, its signed record and donor priority), with its real θ_global:
   a forged "newest state" that would make the others download its model.
@@ -27,7 +29,7 @@ import torch
 
 from diloco_swarm.node.runner import Node
 
-FAULTS = ("nan", "huge", "stall-allreduce", "claim-ahead")
+FAULTS = ("nan", "huge", "stall-allreduce", "claim-ahead", "drop-part")
 HUGE_FACTOR = 1e6
 CLAIM_AHEAD_STEPS = 1000
 STALL_MARKER_NAME = "allreduce-stalled"
@@ -44,7 +46,8 @@ def node_type(fault: str, slowdown: float = 1.0) -> type[Node]:
     if slowdown > 1.0:
         bases.append(SlowInnerSteps)
     bases += {"": [], "nan": [NonFiniteScalesNode], "huge": [HugeContributionNode],
-              "stall-allreduce": [StallingNode], "claim-ahead": [ClaimAheadNode]}[fault]
+              "stall-allreduce": [StallingNode], "claim-ahead": [ClaimAheadNode],
+              "drop-part": [DroppingNode]}[fault]
     return type("FaultyNode", (*bases, Node), {}) if bases else Node
 
 
@@ -81,6 +84,11 @@ class ClaimAheadNode(Node):
         step = record["outer_step"] + CLAIM_AHEAD_STEPS
         marks = [*record.get("theta_marks", []), (step, theta_digest(self.outer.theta))]
         return {**record, "outer_step": step, "theta_marks": marks}
+
+
+class DroppingNode(Node):
+    def _averager_type(self) -> type:
+        return _dropping_averager()
 
 
 class NonFiniteScalesNode(Node):
@@ -132,3 +140,17 @@ def _stalling_averager(marker: Path) -> type:
         allreduce_runner_type = StallingAllReduceRunner
 
     return StallingAverager
+
+
+def _dropping_averager() -> type:
+    from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner
+    from diloco_swarm.averaging.averager import PseudoGradientAverager
+
+    class DroppingAllReduceRunner(ConsensusAllReduceRunner):
+        def _check_sender_part(self, *args, **kwargs) -> str | None:
+            return "was dropped (fault: drop-part)"
+
+    class DroppingAverager(PseudoGradientAverager):
+        allreduce_runner_type = DroppingAllReduceRunner
+
+    return DroppingAverager
