@@ -97,6 +97,7 @@ class Node(Startup, StateSync):
         self._housekeeping = Worker("housekeeping")  # checkpoint writes, DHT upkeep
         self._last_checkpoint = None  # future of the newest checkpoint write
         self.swarm_inner_step_s: float | None = None  # the online peers' median (DyLU)
+        self._digest_cache: tuple[tuple[int, int], str] | None = None  # ((outer step, state syncs), digest)
 
     def run(self) -> None:
         """Set up, train until ``max_outer_steps`` or a stop signal, then leave cleanly.
@@ -231,7 +232,7 @@ class Node(Startup, StateSync):
             )
         return Handoff(delta=delta, tokens=tokens, inner_steps=steps, inner_s=inner_s,
                        loss=sum(losses) / len(losses), outer_step=self.outer_step,
-                       theta_digest=theta_digest(self.outer.theta), started=time.monotonic())
+                       theta_digest=self._global_digest(), started=time.monotonic())
 
     def _inner_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One AdamW step on one batch ([B, T] int64 inputs and targets); returns its loss (nats/token)."""
@@ -348,6 +349,13 @@ class Node(Startup, StateSync):
 
         return PseudoGradientAverager
 
+    def _global_digest(self) -> str:
+        """Digest of θ_global, computed once per change (sha256 over every parameter is not free)."""
+        key = (self.outer_step, self.stats.state_syncs)
+        if self._digest_cache is None or self._digest_cache[0] != key:
+            self._digest_cache = (key, theta_digest(self.outer.theta))
+        return self._digest_cache[1]
+
     def _round_metadata(self, handoff: Handoff) -> dict[str, Any]:
         """What the group's members gather from us: the θ_global we started the round from."""
         return {"outer_step": handoff.outer_step, "tokens": handoff.tokens, "spec_hash": self.spec.spec_hash(),
@@ -381,7 +389,7 @@ class Node(Startup, StateSync):
             with self._state_lock:
                 self.sync.apply(outcome.average, estimate)
                 self.outer_step += 1
-            self.stats.theta_marks.append((self.outer_step, theta_digest(self.outer.theta)))
+            self.stats.theta_marks.append((self.outer_step, self._global_digest()))
         self.stats.tokens_total += handoff.tokens
         self._after_round(handoff, result, round_step, during_inner_step)
 
@@ -424,7 +432,7 @@ class Node(Startup, StateSync):
             "rejected_peers": result.rejected_peers,
             "digest_confirmed_by": result.agreed_peers,
             "reachability": self.reachability,
-            "theta_digest": theta_digest(self.outer.theta),
+            "theta_digest": self._global_digest(),
             **self.stats.totals(),
         }
 
