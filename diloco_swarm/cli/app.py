@@ -102,7 +102,7 @@ def join(
     matchmaking_time: Annotated[float, typer.Option(min=0.5, help="Seconds a group leader waits for more peers before averaging starts.", rich_help_panel=AVERAGING)] = 5.0,
     averaging_window: Annotated[float, typer.Option(min=1.0, help="Seconds to look for a group before going solo for this outer step.", rich_help_panel=AVERAGING)] = 30.0,
     allreduce_timeout: Annotated[float, typer.Option(min=1.0, help="Seconds the all-reduce may take once a group formed.", rich_help_panel=AVERAGING)] = 60.0,
-    fault: Annotated[str, typer.Option(hidden=True, help="Test-only fault injection: nan | huge | stall-allreduce.")] = "",
+    fault: Annotated[str, typer.Option(hidden=True, help="Test-only fault injection: nan | huge | stall-allreduce | withhold-digest.")] = "",
     debug_dump_rounds: Annotated[Optional[Path], typer.Option(hidden=True, help="Test-only: save each round's local and applied pseudo-gradient here.")] = None,
 ) -> None:
     """Join (or start) a training swarm and train until stopped.
@@ -115,8 +115,8 @@ def join(
     from diloco_swarm.node.config import NodeConfig
     from diloco_swarm.spec import RunSpec, run_id_problem
 
-    if fault not in ("", "nan", "huge", "stall-allreduce"):
-        raise fail(f"--fault must be nan, huge or stall-allreduce, got '{fault}'")
+    if fault not in ("", "nan", "huge", "stall-allreduce", "withhold-digest"):
+        raise fail(f"--fault must be nan, huge, stall-allreduce or withhold-digest, got '{fault}'")
     if matchmaking_time >= averaging_window:
         raise fail("--matchmaking-time must be shorter than --averaging-window")
     if client_mode and public:
@@ -202,7 +202,7 @@ def _spec_flags_to_repeat(**values) -> list[str]:
 
 
 def run_node(config) -> None:
-    """Run a node; map every user-facing failure to one line and exit code 2."""
+    """Run a node; map every user-facing failure to one line and exit code 2 (3: a part of the node died)."""
     from diloco_swarm.averaging.codec import CodecError
     from diloco_swarm.data import DatasetError
     from diloco_swarm.dht.swarm import SwarmError
@@ -210,10 +210,17 @@ def run_node(config) -> None:
     from diloco_swarm.node.runner import Node, NodeError
     from diloco_swarm.spec import SpecMismatch
 
+    from diloco_swarm.dht.calls import ChildUnavailable
+    from diloco_swarm.node.watchdog import EXIT_PART_LOST, PartLost
+
     try:
         Node(config).run()
     except (DatasetError, SwarmError, SpecMismatch, CheckpointError, NodeError, CodecError) as e:
         raise fail(str(e))
+    except PartLost as e:  # the DHT, averager or p2pd died under the node (node/watchdog.py)
+        raise fail(str(e), EXIT_PART_LOST)
+    except ChildUnavailable as e:  # during start-up
+        raise fail(f"{e}; the node stopped before training. Start it again", EXIT_PART_LOST)
     except OSError as e:
         raise fail(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "))
 

@@ -35,6 +35,7 @@ from diloco_swarm.node.checkpoint import (CheckpointError, checkpoint_path, load
                                           remove_stale_temp_files, save_checkpoint)
 from diloco_swarm.node.config import NodeConfig
 from diloco_swarm.node.outer import OuterOptimizer
+from diloco_swarm.node.redial import Redialer, dial_peers
 from diloco_swarm.node.report import MetricsWriter, StatusLine
 
 WARMUP_INNER_STEPS = 50  # linear inner-LR warm-up over the swarm's first 50 inner steps
@@ -92,6 +93,7 @@ class StopFlag:
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGHUP, self._handle)  # a closed terminal or ssh session: stop cleanly too
 
     def _handle(self, signum, frame) -> None:
         if self.event.is_set():
@@ -189,6 +191,10 @@ class Node:
             from diloco_swarm.averaging import allreduce
 
             allreduce.STALL_MARKER = cfg.state_dir / "allreduce-stalled"
+        elif cfg.fault == "withhold-digest":
+            from diloco_swarm.averaging import averager
+
+            averager.WITHHOLD_DIGEST_MARKER = cfg.state_dir / "digest-withheld"
 
         from diloco_swarm.dht.records import PeerRecordPublisher, record_validators
 
@@ -294,6 +300,7 @@ class Node:
                 raise
             self.status.log(f"{'none of them answered' if n != 1 else 'it did not answer'}; starting a new swarm of run '{run_id}' "
                             "(to join a running one, restart with --initial-peers)")
+            self._redial_known = known  # they may be restarting too: keep dialing them (node/redial.py)
             return start_dht(initial_peers=[], client_mode=self.client_mode, retry_busy_port_s=15.0, **dht_args)
         self.status.log(f"rejoined the swarm through {them}")
         self.cfg = replace(cfg, initial_peers=known)
@@ -312,7 +319,7 @@ class Node:
         --public decided it. :returns: "reachable", "unreachable" or "unknown"; sets ``reachability``."""
         from diloco_swarm.averaging.averager import state_donors
         from diloco_swarm.averaging.reachability import check_reachability, transport_addrs
-        from diloco_swarm.dht.swarm import peer_ids_of
+        from diloco_swarm.dht.swarm import peer_ids_of, visible_maddrs
 
         cfg = self.cfg
         if self.stop.requested:
@@ -327,10 +334,10 @@ class Node:
             return "unknown"
         if not cfg.initial_peers:
             return "unknown"  # the first peer: whoever joins through it proves it reachable
-        maddrs = transport_addrs(self.dht.get_visible_maddrs(latest=True))
+        maddrs = transport_addrs(visible_maddrs(self.dht))
         candidates = [p for p in state_donors(self.dht, self.spec.run_id) if p != self.peer_id]
         candidates += [p for p in peer_ids_of(cfg.initial_peers) if p not in candidates and p != self.peer_id]
-        verdict = check_reachability(self.dht, self.spec.run_id, candidates, maddrs)
+        verdict = check_reachability(self.dht, self.spec.run_id, candidates, maddrs, stop=self.stop.event)
         self.metrics.write({"event": "reachability", "peer_id": self.peer_id, "reachable": verdict.reachable,
                             "responder": verdict.responder, "reason": verdict.reason, "maddrs": maddrs})
         if verdict.reachable is True:
@@ -463,7 +470,7 @@ class Node:
             for peer in order[:MAX_DONOR_TRIES]:
                 try:
                     meta, tensors, received = self.averager.download_state(
-                        peer, timeout=STATE_CHUNK_TIMEOUT_S, max_bytes=max_bytes
+                        peer, timeout=STATE_CHUNK_TIMEOUT_S, max_bytes=max_bytes, stop=self.stop.event
                     )
                 except Exception as e:
                     self.status.log(f"state download from {peer} failed: {e}")
@@ -526,8 +533,7 @@ class Node:
         if not donors:
             # Bootstrap check (guards against DHT splits, hivemind #624): we were given initial
             # peers but see nobody of this run. Re-bootstrap once, then warn in one line.
-            with contextlib.suppress(Exception):
-                self.dht.run_coroutine(_rebootstrap(self.cfg.initial_peers))
+            dial_peers(self.dht, self.cfg.initial_peers)
             time.sleep(1.0)
             donors = self.averager.donors()
         if not donors:
@@ -660,8 +666,7 @@ class Node:
         if self.cfg.initial_peers and now - self._last_rebootstrap > REBOOTSTRAP_EVERY_S:
             # the public peers may be back (restarted at the same address): dial them again
             self._last_rebootstrap = now
-            with contextlib.suppress(Exception):
-                self.dht.run_coroutine(_rebootstrap(self.cfg.initial_peers))
+            dial_peers(self.dht, self.cfg.initial_peers)
             return bool(self.averager.donors())
         return False
 
@@ -695,19 +700,22 @@ class Node:
 
         :raises NodeError, CheckpointError, SwarmError, SpecMismatch, DatasetError: user-facing problems.
         """
+        from diloco_swarm.dht.calls import ChildUnavailable
         from diloco_swarm.dht.records import read_peer_records
         from diloco_swarm.dht.swarm import SwarmError, refresh_run_spec
+        from diloco_swarm.node.watchdog import PartLost
 
         self.stop.install()
         self.clock.started = time.monotonic()
         try:
             try:
                 self._setup()
-            except SwarmError:
+            except (SwarmError, ChildUnavailable):
                 if self.stop.requested:  # Ctrl+C while starting: leave quietly, nothing was trained
                     self.status.log("stopped during start-up")
                     return
                 raise
+            self._supervise()
             self.stop.training = True
             self._wait_for_peers()
             self._join_sync()
@@ -816,16 +824,53 @@ class Node:
                     for peer, why in result.rejected_peers.items():
                         self.status.log(f"outer step {self.outer_step}: peer {peer} was refused: {why}")
             self.metrics.write({"event": "stop", "peer_id": self.peer_id, "outer_step": self.outer_step,
-                                "graceful": True, "goodput": round(self.clock.goodput(), 4)})
-            if self.averager is not None and not self.client_mode:
+                                "graceful": self.lost is None, "reason": self.lost,
+                                "goodput": round(self.clock.goodput(), 4)})
+            if self.averager is not None and not self.client_mode and self.lost is None:
                 with contextlib.suppress(Exception):
                     self.averager.allow_state_sharing = False  # publishes "no longer a donor"
             if self.records is not None:
-                self.records.stop(remove=True)  # goodbye: our record disappears at once
+                self.records.stop(remove=self.lost is None)  # goodbye: our record disappears at once
+        except ChildUnavailable as e:  # a DHT/averager call failed: a part died or hangs (dht/calls.py)
+            if self.stop.requested and self.lost is None:  # a signal to our process group ended it too
+                self.metrics.write({"event": "stop", "peer_id": self.peer_id, "outer_step": self.outer_step,
+                                    "graceful": True, "goodput": round(self.clock.goodput(), 4)})
+            else:
+                self.lost = self.lost or str(e)
         finally:
             self._shutdown()
+        if self.lost is not None:
+            raise PartLost(f"{self.lost} (outer step {self.outer_step}); this node stopped. Its checkpoint is "
+                           "kept: restart it with the same --state-dir to rejoin")
+
+    # ------------------------------------------------------------------ supervision (node/watchdog.py, node/redial.py)
+    lost: str | None = None  # set when a part of this node died: the node stops with PartLost (exit 3)
+    watchdog = None
+    _redial_known: list[str] = []
+
+    def _supervise(self) -> None:
+        """Watch the DHT, averager and p2pd processes; re-dial the known peers if we started a new swarm."""
+        from diloco_swarm.node.watchdog import Watchdog, node_parts, node_pids
+
+        self.watchdog = Watchdog(node_parts(self.dht, self.averager), self._part_lost,
+                                 socket_owners=node_pids(self.dht, self.averager)).start()
+        if self._redial_known:
+            Redialer(self.dht, self._redial_known, self.stop.event, on_merged=lambda n: self.status.log(
+                f"found {n} of the peers this node saw before; the two swarms merge")).start()
+
+    def _part_lost(self, what: str) -> None:
+        """Watchdog callback (its thread): stop the node; the others' calls fail at once (ends them)."""
+        from diloco_swarm.node.watchdog import end_processes
+
+        if self.stop.requested:
+            return  # a signal to our process group ended that part too: a normal stop
+        self.lost = what
+        self.stop.event.set()
+        end_processes(self.averager, self.dht)  # useless without each other; every call now fails at once
 
     def _shutdown(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()  # the parts now end on purpose
         self.status.close()
         if self.records is not None:
             self.records.stop(remove=False)
@@ -833,31 +878,11 @@ class Node:
             if part is not None and part.is_alive():  # a SIGTERM to our process group may have ended it
                 with contextlib.suppress(Exception):
                     part.shutdown()
+        if self.watchdog is not None:
+            self.watchdog.remove_sockets()  # those hivemind left behind (a killed part never removes its own)
         self.metrics.close()
         if self.lock is not None:
             self.lock.release()
-
-
-class _rebootstrap:
-    """DHT coroutine (runs in the DHT process): ping the initial peers again to refill the routing table."""
-
-    def __init__(self, initial_peers: list[str]):
-        self.initial_peers = list(initial_peers)
-
-    async def __call__(self, _dht, node) -> None:
-        import asyncio
-
-        from hivemind.p2p import PeerID
-        from hivemind.utils.multiaddr import Multiaddr
-
-        for addr in self.initial_peers:
-            try:
-                maddr = Multiaddr(addr)
-                peer_id = PeerID.from_base58(maddr.value_for_protocol("p2p"))
-                await asyncio.wait_for(node.p2p._client.connect(peer_id, [maddr.decapsulate(f"/p2p/{peer_id}")]), 5)
-                await asyncio.wait_for(node.protocol.call_ping(peer_id), 5)
-            except Exception:
-                continue  # that peer is still away; try the others
 
 
 def _theta_digest(theta: list[torch.Tensor]) -> str:
