@@ -374,7 +374,9 @@ class PeerRecordPublisher:
                 return ok
         except Exception as e:
             problem = str(e) or type(e).__name__
-            if problem != self._last_problem:
+            if not self.dht.is_alive():  # the node's watchdog reports a dead DHT process (node/watchdog.py)
+                logger.debug(f"could not publish this peer's record: {problem}")
+            elif problem != self._last_problem:
                 self._last_problem = problem
                 logger.warning(f"could not publish this peer's record: {problem}")
             return False
