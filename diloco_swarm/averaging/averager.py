@@ -51,6 +51,7 @@ class _QuietExpectedFailures(logging.Filter):
 
 logging.getLogger("hivemind.averaging.averager").addFilter(_QuietExpectedFailures())
 
+AVERAGER_START_TIMEOUT_S = 120.0  # fork, replicate the DHT's libp2p client, register handlers; a busy machine
 WITHHOLD_DIGEST_MARKER = None  # test-only fault (--fault withhold-digest): a pathlib.Path touched when withholding
 WITHHOLD_DIGEST_S = 10.0
 FAILED_MARK = "failed"  # published under the round key by a member whose round was partial
@@ -172,6 +173,29 @@ class PseudoGradientAverager(DecentralizedAverager):
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGINT, previous_sigint)
 
+
+    # --- bounds on waiting for the averager process (dht/calls.py has those for the DHT) ---------
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        """hivemind waits for the new process with no limit (forever, if its DHT process died)."""
+        try:
+            super().run_in_background(await_ready=await_ready, timeout=AVERAGER_START_TIMEOUT_S if timeout is None
+                                      else timeout)
+        except TimeoutError:
+            if self._ready.done():  # the averager's own error, not our wait
+                raise
+            self.terminate()
+            raise ChildUnavailable(f"the averager process did not start within {AVERAGER_START_TIMEOUT_S:.0f}s") from None
+
+    @contextlib.contextmanager
+    def get_tensors(self):
+        """hivemind's ``get_tensors``, bounded: the lock is shared with the averager process, which
+        may have died holding it. :raises ChildUnavailable: not acquired within the all-reduce timeout."""
+        if not self.lock_averaged_tensors.acquire(timeout=self._allreduce_timeout_s + 30.0):
+            raise ChildUnavailable("the averaged tensors stayed locked by the averager process; is it stuck?")
+        try:
+            yield self._averaged_tensors
+        finally:
+            self.lock_averaged_tensors.release()
 
     # --- runs in the averager process -------------------------------------------------
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):

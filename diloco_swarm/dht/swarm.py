@@ -21,7 +21,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
-from diloco_swarm.dht.calls import dht_get, dht_store, dht_visible_maddrs
+from diloco_swarm.dht.calls import DHT_CALL_TIMEOUT_S, dht_get, dht_run, dht_store, dht_visible_maddrs
 from diloco_swarm.spec import RunSpec, SpecMismatch
 from diloco_swarm.utils import hivemind_fixes  # noqa: F401  (patches hivemind before any DHT forks)
 from diloco_swarm.utils.net import host_problem, port_problem
@@ -199,6 +199,9 @@ def start_dht(
                 dht.terminate()
                 raise SwarmError(f"the DHT process did not start within {DHT_START_TIMEOUT_S:.0f}s; is the machine "
                                  "overloaded? Start the node again") from None
+            # hivemind asks the DHT process for these on first use with no time limit: ask now, bounded
+            dht._peer_id = dht_run(dht, DHT._get_peer_id, timeout=DHT_CALL_TIMEOUT_S, what="DHT peer id")
+            dht._client_mode = dht_run(dht, DHT._get_client_mode, timeout=DHT_CALL_TIMEOUT_S, what="DHT client mode")
             return dht
         except SwarmError:
             raise
