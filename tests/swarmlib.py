@@ -68,11 +68,14 @@ class Swarm:
         self.nodes: dict[str, NodeProc] = {}
 
     def start(self, name: str, *args: str, initial: "NodeProc | None" = None, wait_start: bool = True,
-              timeout: float = 90, wrap: list[str] | None = None, initial_host: str | None = None) -> NodeProc:
+              timeout: float = 90, wrap: list[str] | None = None, initial_host: str | None = None,
+              session: bool = False) -> NodeProc:
         """Start node ``name`` (again, with the same state dir if it ran before).
 
         :param wrap: command prefix, e.g. ``ip netns exec NS`` to run it inside a network namespace.
         :param initial_host: dial ``initial`` on its address on this host (default: its first address).
+        :param session: start it in its own session and process group (pid = group id), as a shell
+            or a service manager does, so a test can signal its whole group (``os.killpg``).
         """
         node = self.nodes.get(name)
         if node is None:
@@ -87,7 +90,7 @@ class Swarm:
         log = open(node.log, "a")
         node.log_handles.append(log)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        node.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        node.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=session)
         if wait_start:
             n_starts = len(node.events("start"))
             self.wait(lambda: len(node.events("start")) > n_starts, timeout, f"{name} did not start", node)

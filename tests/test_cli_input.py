@@ -91,3 +91,19 @@ def test_addresses_the_node_accepts_pass_the_quick_check():
                  "/ip4/1.2.3.4/udp/5/quic-v1", "/ip4/203.0.113.5/tcp/31337", "/unix/tmp/p2pd.sock", "/ip4/1.2.3.4/tcp/5/"]:
         Multiaddr(addr)  # hivemind's parser accepts it...
         assert not is_malformed_multiaddr(addr), addr  # ...so the quick check must too
+
+
+def test_no_torch_jit_warning_before_a_commands_output():
+    """hivemind's @torch.jit.script makes newer torch warn at import (FutureWarning or DeprecationWarning,
+    by version); we silence exactly that warning, even when the user asks to see every warning."""
+    imports = subprocess.run([sys.executable, "-W", "always", "-c",
+                              "import diloco_swarm.dht.swarm, diloco_swarm.averaging.averager"],
+                             capture_output=True, text=True, timeout=120)
+    assert imports.returncode == 0, imports.stderr
+    assert "torch.jit.script" not in imports.stderr, imports.stderr
+    shown = subprocess.run([sys.executable, "-W", "always", "-c", "import warnings, diloco_swarm; "
+                            "warnings.warn('other', FutureWarning)"], capture_output=True, text=True, timeout=60)
+    assert "FutureWarning: other" in shown.stderr  # other warnings still show
+    for args in (["--help"], ["join", "--help"]):
+        out = subprocess.run([sys.executable, "-m", "diloco_swarm", *args], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "Warning" not in out.stderr, out.stderr

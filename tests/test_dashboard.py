@@ -488,3 +488,35 @@ def test_many_peers_keep_the_charts_readable():
     loss_chart = page.split('id="chart-loss"')[1].split("</figure>")[0]
     assert loss_chart.count('<g class="series') == MAX_CHART_PEERS + 1  # + the swarm line
     assert page.count('<tr class="peer online"') == 30
+
+
+# ------------------------------------------------------------------ charts: ticks and gaps
+def _tick_texts(svg: str) -> list[str]:
+    return re.findall(r'<text class="tick" x="\d+(?:\.\d+)?" y="[\d.]+" text-anchor="end">([^<]*)</text>', svg)
+
+
+def test_narrow_loss_range_gets_distinct_tick_labels():
+    from diloco_swarm.dashboard.render import line_chart, tick_labels
+
+    now = 10_000.0
+    points = [(now - 600 + 10 * i, 5.2800 + 0.0001 * (i % 7)) for i in range(60)]  # loss 5.2800 .. 5.2806
+    svg = line_chart([{"label": "a", "color": 0, "points": points}], title="loss", now=now,
+                     unit_fmt=lambda v: f"{v:.3g}")
+    ticks = [t for t in _tick_texts(svg) if t != "now"]  # the time axis's last label is end-anchored too
+    assert len(ticks) >= 3 and len(set(ticks)) == len(ticks), ticks  # was "5.28" five times
+    assert all(t.startswith("5.28") for t in ticks), ticks
+    assert tick_labels([1.0, 2.0, 3.0], lambda v: f"{v:.3g}") == ["1", "2", "3"]  # distinct already: unchanged
+    assert tick_labels([0.1, 0.15, 0.2], lambda v: f"{v:.1f}") == ["0.10", "0.15", "0.20"]
+
+
+def test_a_gap_in_history_breaks_the_line():
+    from diloco_swarm.dashboard.render import line_chart
+
+    now = 20_000.0
+    before = [(now - 6000 + 15 * i, 5.0 - 0.01 * i) for i in range(20)]  # 90 minutes before the second run
+    after = [(now - 300 + 15 * i, 4.0 - 0.01 * i) for i in range(20)]
+    svg = line_chart([{"label": "a", "color": 0, "points": before + after}], title="loss", now=now)
+    path = re.search(r'<path d="([^"]*)"', svg).group(1)
+    assert path.count("M") == 2, path  # two runs of the line, nothing drawn across the 90 minutes
+    steady = line_chart([{"label": "a", "color": 0, "points": before}], title="loss", now=now)
+    assert re.search(r'<path d="([^"]*)"', steady).group(1).count("M") == 1

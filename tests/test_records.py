@@ -119,6 +119,21 @@ def test_record_key_persists_with_0600(tmp_path):
     assert v1.local_public_key == v2.local_public_key  # the record owner survives restarts
 
 
+def fake_dht(get):
+    """A stand-in for a DHT whose ``get`` answers at once (bounded calls ask for a future; dht/calls.py)."""
+    from concurrent.futures import Future
+
+    def get_future(key, latest=True, return_future=False):
+        future = Future()
+        try:
+            future.set_result(get(key, latest=latest))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+    return SimpleNamespace(get=get_future, is_alive=lambda: True)
+
+
 def test_reader_survives_garbage_from_the_dht():
     class Item(SimpleNamespace):
         pass
@@ -130,17 +145,19 @@ def test_reader_survives_garbage_from_the_dht():
         b"d": Item(value=snapshot(peer_id="Good"), expiration_time=2.0),
         b"e": Item(value=None, expiration_time=3.0),  # a tombstone
     }
-    dht = SimpleNamespace(get=lambda key, latest=True: SimpleNamespace(value=garbage, expiration_time=9.0))
+    dht = fake_dht(lambda key, latest=True: SimpleNamespace(value=garbage, expiration_time=9.0))
     assert list(read_peer_records(dht, RUN)) == ["Good"]
     assert [e.record is None for e in read_peer_entries(dht, RUN)] == [False, True]
     for found in (None, SimpleNamespace(value=b"raw", expiration_time=1.0)):
-        assert read_peer_records(SimpleNamespace(get=lambda key, latest=True, f=found: f), RUN) == {}
+        assert read_peer_records(fake_dht(lambda key, latest=True, f=found: f), RUN) == {}
 
     def broken(key, latest=True):
         raise RuntimeError("dht is down")
 
-    assert read_peer_records(SimpleNamespace(get=broken), RUN) == {}
-    assert read_peer_entries(SimpleNamespace(get=broken), RUN) is None
+    assert read_peer_records(fake_dht(broken), RUN) == {}
+    assert read_peer_entries(fake_dht(broken), RUN) is None
+    gone = SimpleNamespace(get=broken, is_alive=lambda: False)  # the DHT process died
+    assert read_peer_entries(gone, RUN) is None
 
 
 # ------------------------------------------------------------------ real DHTs on 127.0.0.1

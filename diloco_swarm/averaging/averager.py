@@ -11,6 +11,7 @@ applies its own Δ (a solo round), never a partial or unverified average.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import signal
@@ -36,6 +37,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from diloco_swarm.averaging.allreduce import REFUSED_OUR_PART, ConsensusAllReduceRunner, RoundStats
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
 from diloco_swarm.averaging.reachability import Responder
+from diloco_swarm.dht.calls import ChildUnavailable, bounded, dht_get, dht_store
 from diloco_swarm.utils.hivemind_fixes import keep_task_alive
 
 logger = get_logger(__name__)
@@ -53,6 +55,7 @@ logging.getLogger("hivemind.averaging.averager").addFilter(_QuietExpectedFailure
 _STILL_LOOKING = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
 AVOID_REFUSER_S = 600.0  # a reducer that refused our valid part: avoided this long
 
+AVERAGER_START_TIMEOUT_S = 120.0  # fork, replicate the DHT's libp2p client, register handlers; a busy machine
 FAILED_MARK = "failed"  # published under the round key by a member whose round was partial
 
 COMPRESSIONS: dict[str, type[CompressionBase]] = {
@@ -146,6 +149,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self.compression_name = compression
         codec = type(self).compressions[compression]()
         self.max_norm_ratio = max_norm_ratio
+        self._allreduce_timeout_s = float(allreduce_timeout)
         self._round_stats: dict[str, RoundStats] = {}
         self._state_provider = state_provider
         self._banned_peers: set[str] = set()  # lives in the averager process
@@ -176,6 +180,29 @@ class PseudoGradientAverager(DecentralizedAverager):
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGINT, previous_sigint)
 
+
+    # --- bounds on waiting for the averager process (dht/calls.py has those for the DHT) ---------
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        """hivemind waits for the new process with no limit (forever, if its DHT process died)."""
+        try:
+            super().run_in_background(await_ready=await_ready, timeout=AVERAGER_START_TIMEOUT_S if timeout is None
+                                      else timeout)
+        except TimeoutError:
+            if self._ready.done():  # the averager's own error, not our wait
+                raise
+            self.terminate()
+            raise ChildUnavailable(f"the averager process did not start within {AVERAGER_START_TIMEOUT_S:.0f}s") from None
+
+    @contextlib.contextmanager
+    def get_tensors(self):
+        """hivemind's ``get_tensors``, bounded: the lock is shared with the averager process, which
+        may have died holding it. :raises ChildUnavailable: not acquired within the all-reduce timeout."""
+        if not self.lock_averaged_tensors.acquire(timeout=self._allreduce_timeout_s + 30.0):
+            raise ChildUnavailable("the averaged tensors stayed locked by the averager process; is it stuck?")
+        try:
+            yield self._averaged_tensors
+        finally:
+            self.lock_averaged_tensors.release()
 
     # --- runs in the averager process -------------------------------------------------
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
@@ -250,6 +277,18 @@ class PseudoGradientAverager(DecentralizedAverager):
             matchmaking._skips_avoided_leaders = True
         return await super()._step(step=step, future_for_init=future_for_init)
 
+    async def _shutdown(self, timeout) -> None:
+        try:
+            await super()._shutdown(timeout)
+        finally:
+            # hivemind never closes the averager's replica of the DHT's libp2p client, so every run left
+            # a /tmp/hivemind-p2pclient-*.sock behind; _terminate() closes it and removes that socket
+            # (a replica owns no daemon: the DHT's p2pd keeps running until the DHT shuts down).
+            p2p = getattr(self, "_p2p", None)
+            if p2p is not None:
+                with contextlib.suppress(Exception):
+                    p2p._terminate()
+
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
@@ -309,18 +348,25 @@ class PseudoGradientAverager(DecentralizedAverager):
         out.pop(self.peer_id.to_base58(), None)
         return out
 
-    def download_state(self, peer: str, *, timeout: float, max_bytes: int) -> tuple[Any, list[torch.Tensor], int]:
+    def download_state(self, peer: str, *, timeout: float, max_bytes: int,
+                       stop: threading.Event | None = None) -> tuple[Any, list[torch.Tensor], int]:
         """Download one donor's (metadata, tensors, bytes received).
 
         :param timeout: seconds allowed between chunks (the whole transfer gets 4x that).
         :param max_bytes: refuse a payload larger than this.
-        :raises RuntimeError: the donor failed, timed out or sent too much. The payload itself is
+        :param stop: when set, the download is abandoned at once (graceful leave).
+        :raises RuntimeError: the donor failed, timed out or sent too much; ChildUnavailable (a
+            RuntimeError) when the averager process is gone or ``stop`` was set. The payload itself is
             unchecked: the caller validates it against the run spec.
         """
-        future = MPFuture()
-        self._outer_pipe.send(("_download_state_from", [], dict(peer=peer, timeout=timeout, max_bytes=max_bytes,
-                                                               future=future)))
-        return future.result(timeout=4 * timeout + 5)
+
+        def start() -> MPFuture:
+            future = MPFuture()
+            self._outer_pipe.send(("_download_state_from", [], dict(peer=peer, timeout=timeout, max_bytes=max_bytes,
+                                                                   future=future)))
+            return future
+
+        return bounded(self, f"state download from {peer}", start, 4 * timeout + 5, stop)
 
     def average(
         self,
@@ -357,10 +403,14 @@ class PseudoGradientAverager(DecentralizedAverager):
             for buf, d in zip(buffers, local):
                 buf.copy_(d)
         try:
+            if not self.is_alive():
+                return self._solo(started, reason="the averager process is gone"), local
             if scheduled_time is not None:
                 scheduled_time = min(scheduled_time, get_dht_time() + 0.9 * timeout)
             control = self.step(weight=float(weight), gather=metadata, timeout=timeout, allow_retries=True, wait=False,
                                 scheduled_time=scheduled_time)
+            # hivemind bounds the step in the averager process; this bounds our wait if that process dies
+            deadline = time.monotonic() + timeout + self._allreduce_timeout_s + 30.0
             while True:
                 try:
                     control = control.result(timeout=0.25)
@@ -372,6 +422,11 @@ class PseudoGradientAverager(DecentralizedAverager):
                     if give_up is not None and give_up.is_set() and control.stage in _STILL_LOOKING:
                         control.cancel()
                         return self._solo(started, reason="no group before the next inner phase ended"), local
+                    if not self.is_alive() or time.monotonic() > deadline:
+                        with contextlib.suppress(Exception):
+                            control.cancel()
+                        why = "the averager process is gone" if not self.is_alive() else "the averager did not answer"
+                        return self._solo(started, reason=why), local
         except Exception as e:  # no group in the window, or the all-reduce failed outright
             return self._solo(started, reason=_short_reason(e)), local
         if control is None:
@@ -394,7 +449,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         problem = self._check_round(stats, local, averaged)
         if problem is None:
             result.digest = tensors_digest(averaged)
-            problem = self._cross_check(stats, result, digest_wait)
+            problem = self._cross_check(stats, result, digest_wait, stop)
         elif len(stats.group_peer_ids) >= 2:
             self._publish_outcome(stats, FAILED_MARK)  # so the others never keep a partial average
         result.seconds = time.perf_counter() - started
@@ -428,22 +483,30 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     def _publish_outcome(self, stats: RoundStats, value: str) -> str | None:
         try:
-            self.dht.store(self._round_key(stats), subkey=self.peer_id.to_base58(), value=value,
-                           expiration_time=get_dht_time() + 120)
+            dht_store(self.dht, self._round_key(stats), value, subkey=self.peer_id.to_base58(),
+                      expiration_time=get_dht_time() + 120)
         except Exception as e:
             return f"could not publish the round digest ({_short_reason(e)})"
         return None
 
-    def _cross_check(self, stats: RoundStats, result: RoundResult, digest_wait: float) -> str | None:
+    def _cross_check(self, stats: RoundStats, result: RoundResult, digest_wait: float,
+                     stop: threading.Event | None = None) -> str | None:
         """Every member publishes the digest of the average it would apply, or "failed"; the
-        round counts only when all of them match ours (no member keeps a different value)."""
+        round counts only when all of them match ours (no member keeps a different value).
+        A set ``stop`` abandons the round at once (returns "stopping")."""
         others = set(stats.group_peer_ids) - {self.peer_id.to_base58()}
         problem = self._publish_outcome(stats, result.digest)
         if problem is not None:
             return problem
         deadline = time.monotonic() + digest_wait
         while True:
-            found = self.dht.get(self._round_key(stats), latest=True)
+            if stop is not None and stop.is_set():
+                return "stopping"
+            try:
+                found = dht_get(self.dht, self._round_key(stats), latest=True,
+                                timeout=max(1.0, deadline - time.monotonic()), stop=stop)
+            except ChildUnavailable as e:
+                return "stopping" if stop is not None and stop.is_set() else f"could not read the round digests ({e})"
             digests = {}
             if found is not None and isinstance(found.value, dict):
                 digests = {str(k): v.value for k, v in found.value.items()}
@@ -459,13 +522,18 @@ class PseudoGradientAverager(DecentralizedAverager):
             if time.monotonic() > deadline:
                 silent = sorted(p for p in others if p not in digests)
                 return f"members did not confirm the average within {digest_wait:.0f}s: " + ", ".join(silent)
-            time.sleep(0.2)
+            if stop is not None:
+                stop.wait(0.2)
+            else:
+                time.sleep(0.2)
 
 
 def state_donors(dht: DHT, prefix: str) -> dict[str, float]:
     """Peers of run ``prefix`` that share their state (public, non-client peers), from hivemind's
-    ``{prefix}.all_averagers`` DHT key: ``{peer_id: priority}`` (priority = outer step)."""
-    found = dht.get(f"{prefix}.all_averagers", latest=True)
+    ``{prefix}.all_averagers`` DHT key: ``{peer_id: priority}`` (priority = outer step).
+
+    :raises ChildUnavailable: the DHT process is gone or did not answer in time (dht/calls.py)."""
+    found = dht_get(dht, f"{prefix}.all_averagers", latest=True)
     out: dict[str, float] = {}
     if found is None or not isinstance(found.value, dict):
         return out

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -35,6 +36,8 @@ from typing import Any, Sequence
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.multiaddr import Multiaddr
+
+from diloco_swarm.dht.calls import dht_run
 
 MAX_ADDRS = 8
 MAX_ADDR_LEN = 200
@@ -195,15 +198,18 @@ class AskDialBack:
         return Verdict(None, reason="; ".join(tried) or "no public peer to ask")
 
 
-def check_reachability(dht, prefix: str, candidates: Sequence[str], maddrs: Sequence[str]) -> Verdict:
+def check_reachability(dht, prefix: str, candidates: Sequence[str], maddrs: Sequence[str],
+                       stop: threading.Event | None = None) -> Verdict:
     """Ask public peers (peer ids in ``candidates``) of run ``prefix`` to dial ``maddrs`` back.
 
-    Blocks at most about ``MAX_RESPONDERS * REQUEST_TIMEOUT_S`` seconds. Never raises for network
-    trouble: an inconclusive check is ``Verdict(None, ...)``.
+    Blocks at most about ``MAX_RESPONDERS * REQUEST_TIMEOUT_S`` seconds (bounded even if the DHT
+    process dies), less when ``stop`` is set. Never raises for network trouble: an inconclusive
+    check is ``Verdict(None, ...)``.
     """
     if not candidates or not maddrs:
         return Verdict(None, reason="no public peer to ask" if maddrs else "no TCP listen address")
     try:
-        return dht.run_coroutine(AskDialBack(prefix, candidates, maddrs))
+        return dht_run(dht, AskDialBack(prefix, candidates, maddrs), timeout=MAX_RESPONDERS * REQUEST_TIMEOUT_S + 10,
+                       what="reachability check", stop=stop)
     except Exception as e:
         return Verdict(None, reason=f"{type(e).__name__}: {e}"[:200])

@@ -57,7 +57,7 @@ class Compression(str, Enum):
     fp32 = "fp32"
 
 
-FAULT_NAMES = ("", "nan", "huge", "stall-allreduce", "claim-ahead", "drop-part")  # = node/faults.py FAULTS
+FAULT_NAMES = ("", "nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part")  # = node/faults.py FAULTS
 
 
 class SyncMode(str, Enum):
@@ -114,7 +114,7 @@ def join(
     allreduce_timeout: Annotated[float, typer.Option(min=1.0, help="Seconds the all-reduce may take once a group formed.", rich_help_panel=AVERAGING)] = 60.0,
     eval_budget: Annotated[float, typer.Option(min=0.0, max=1.0, help="Evaluate the held-out loss after an outer step only while evaluation has taken less than this share of wall time (0.02 = 2%); the last value is reported in between.", rich_help_panel=LOCAL)] = 0.02,
     slowdown: Annotated[float, typer.Option(hidden=True, min=1.0, help="Test/bench-only: make each inner step take this many times as long.")] = 1.0,
-    fault: Annotated[str, typer.Option(hidden=True, help="Test-only fault injection: nan | huge | stall-allreduce | claim-ahead | drop-part.")] = "",
+    fault: Annotated[str, typer.Option(hidden=True, help="Test-only fault injection: nan | huge | stall-allreduce | withhold-digest | claim-ahead | drop-part.")] = "",
     debug_dump_rounds: Annotated[Optional[Path], typer.Option(hidden=True, help="Test-only: save each round's local and applied pseudo-gradient here.")] = None,
 ) -> None:
     """Join (or start) a training swarm and train until stopped.
@@ -220,7 +220,7 @@ def _spec_flags_to_repeat(**values) -> list[str]:
 
 
 def run_node(config) -> None:
-    """Run a node; map every user-facing failure to one line and exit code 2."""
+    """Run a node; map every user-facing failure to one line and exit code 2 (3: a part of the node died)."""
     from diloco_swarm.averaging.codec import CodecError
     from diloco_swarm.data import DatasetError
     from diloco_swarm.dht.swarm import SwarmError
@@ -229,10 +229,17 @@ def run_node(config) -> None:
     from diloco_swarm.node.runner import NodeError
     from diloco_swarm.spec import SpecMismatch
 
+    from diloco_swarm.dht.calls import ChildUnavailable
+    from diloco_swarm.node.watchdog import EXIT_PART_LOST, PartLost
+
     try:
         node_type(config.fault, config.slowdown)(config).run()
     except (DatasetError, SwarmError, SpecMismatch, CheckpointError, NodeError, CodecError) as e:
         raise fail(str(e))
+    except PartLost as e:  # the DHT, averager or p2pd died under the node (node/watchdog.py)
+        raise fail(str(e), EXIT_PART_LOST)
+    except ChildUnavailable as e:  # during start-up
+        raise fail(f"{e}; the node stopped before training. Start it again", EXIT_PART_LOST)
     except OSError as e:
         raise fail(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "))
 

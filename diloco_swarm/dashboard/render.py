@@ -100,6 +100,31 @@ def _rel_time(seconds: float) -> str:
     return f"−{s // 86400}d"
 
 
+def tick_labels(values: Sequence[float], unit_fmt=fmt_si) -> list[str]:
+    """Labels for axis ticks: ``unit_fmt`` of each, unless two would read the same (a narrow
+    range such as 5.275…5.285 formatted with 3 significant digits gives "5.28" five times); then
+    fixed-point with the fewest decimals that tell every tick apart."""
+    labels = [str(unit_fmt(v)) for v in values]
+    if len(set(labels)) == len(labels):
+        return labels
+    for decimals in range(0, 10):
+        fixed = [f"{v:.{decimals}f}" for v in values]
+        if len(set(fixed)) == len(fixed):
+            return fixed
+    return [f"{v:.6g}" for v in values]
+
+
+GAP_MIN_S = 120.0  # a pause this long (or 5 sampling intervals, if longer) breaks a line
+
+
+def gap_threshold(times: Sequence[float]) -> float:
+    """Seconds between two points of a series above which they are not joined by a line: 5x the
+    median sampling interval, at least :data:`GAP_MIN_S`."""
+    deltas = sorted(b - a for a, b in zip(times, times[1:]) if b > a)
+    median = deltas[len(deltas) // 2] if deltas else 0.0
+    return max(GAP_MIN_S, 5 * median)
+
+
 def line_chart(
     series: Sequence[dict[str, Any]],
     *,
@@ -142,12 +167,15 @@ def line_chart(
         return round(top + ph - (v - lo) / (hi - lo) * ph, 1)
 
     out = [head, f'<rect class="plot" x="{left}" y="{top}" width="{pw}" height="{ph}"/>']
+    ticks = []
     v = lo
     while v <= hi + step / 2:
+        ticks.append(v)
+        v += step
+    for v, tick in zip(ticks, tick_labels(ticks, unit_fmt)):
         yy = y(v)
         out.append(f'<line class="grid" x1="{left}" x2="{left + pw}" y1="{yy}" y2="{yy}"/>'
-                   f'<text class="tick" x="{left - 6}" y="{yy + 4}" text-anchor="end">{text(unit_fmt(v))}</text>')
-        v += step
+                   f'<text class="tick" x="{left - 6}" y="{yy + 4}" text-anchor="end">{text(tick)}</text>')
     tstep = next((s for s in _TIME_STEPS if (t1 - t0) / s <= 4), _TIME_STEPS[-1])
     k = 0
     while t1 - k * tstep >= t0 - 1e-6:
@@ -161,10 +189,13 @@ def line_chart(
         if s.get("main"):
             cls += " main"
         path, pen_down, last = [], False, None
+        gap = gap_threshold([t for t, v in s["points"] if v is not None])
         for t, v in s["points"]:
             if v is None or t < t0:
                 pen_down = False
                 continue
+            if last is not None and t - last[0] > gap:
+                pen_down = False  # no data in between (the swarm was down): no line across the gap
             path.append(f"{'L' if pen_down else 'M'}{x(t)} {y(v)}")
             pen_down, last = True, (t, v)
         if not path:

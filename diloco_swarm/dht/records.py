@@ -38,6 +38,8 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from diloco_swarm.dht.lineages import DIGEST_PATTERN, MAX_THETA_MARKS, marks_of
+from diloco_swarm.dht.calls import dht_get, dht_store
+from diloco_swarm.dht.swarm import SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +259,7 @@ def read_peer_entries(dht, run_id: str, *, latest: bool = True) -> list[PeerEntr
     :returns: None when the DHT could not be asked (shut down, timeout); an empty list when the key is absent.
     """
     try:
-        found = dht.get(records_key(run_id), latest=latest)
+        found = dht_get(dht, records_key(run_id), latest=latest)
     except Exception as e:
         logger.debug(f"reading peer records failed: {e!r}")
         return None
@@ -296,6 +298,32 @@ def read_peer_records(dht, run_id: str) -> dict[str, PeerRecord]:
     return out
 
 
+class IdentityInUse(SwarmError):
+    """Another running node publishes records of our peer id (same identity key: a copied state dir)."""
+
+
+def identity_in_use(dht, run_id: str, peer_id: str, *, wait_s: float) -> bool:
+    """Whether another node publishes live records of ``peer_id`` now. Call it before publishing our own.
+
+    A live record of our peer id alone proves nothing (ours, from a node that crashed less than
+    ``3 * interval_s`` ago); one whose ``updated`` advances, or a new one, within ``wait_s`` does:
+    somebody else is re-signing it. Reads the DHT twice (bounded calls); any read error counts as "no".
+    """
+
+    def ours() -> dict[str, float] | None:
+        entries = read_peer_entries(dht, run_id)
+        if entries is None:
+            return None
+        return {e.owner: e.record.updated for e in entries if e.record is not None and e.record.peer_id == peer_id}
+
+    first = ours()
+    if not first:
+        return False
+    time.sleep(wait_s)
+    second = ours() or {}
+    return any(updated > first.get(owner, -1.0) for owner, updated in second.items())
+
+
 # ---------------------------------------------------------------------------------------------- publisher
 class PeerRecordPublisher:
     """Keeps this peer's signed record fresh in the DHT.
@@ -320,15 +348,30 @@ class PeerRecordPublisher:
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_expiration = 0.0
+        self._last_problem = ""  # logged once until a store succeeds again (not a line every 5 s)
         self.published = 0  # successful stores (for tests and logs)
 
     @property
     def owner(self) -> str:
         return owner_fingerprint(self.subkey)
 
-    def start(self) -> None:
+    def start(self, check_identity: bool = True) -> None:
+        """Start publishing every ``interval_s``.
+
+        :param check_identity: first make sure no other node publishes records of our peer id
+            (:func:`identity_in_use`); costs ``interval_s + 2`` s only when a live record of our
+            peer id is found (a restart right after a crash).
+        :raises IdentityInUse: another node with this peer id is online (a copied state dir).
+        """
         if self._thread is not None:
             return
+        if check_identity:
+            peer_id = str(self.snapshot().get("peer_id", ""))
+            if peer_id and identity_in_use(self.dht, self.run_id, peer_id, wait_s=self.interval_s + 2.0):
+                raise IdentityInUse(
+                    f"another node with this node's identity (peer id {peer_id}) is online in run '{self.run_id}': it "
+                    "keeps publishing this peer's record, and this node has not. Was this state dir copied? Give each "
+                    "node its own --state-dir (in a copy, delete identity.key and record.key for a new identity)")
         self._thread = threading.Thread(target=self._loop, name="peer-record-publisher", daemon=True)
         self._thread.start()
 
@@ -345,19 +388,25 @@ class PeerRecordPublisher:
                 if self._stopped.is_set():
                     return False
                 value = normalize_snapshot({**self.snapshot(), "updated": time.time()})
-                return self._store(value, get_dht_time() + 3 * self.interval_s)
+                ok = self._store(value, get_dht_time() + 3 * self.interval_s)
+                if ok:
+                    self._last_problem = ""
+                return ok
         except Exception as e:
-            logger.warning(f"could not publish this peer's record: {e!r}")
+            problem = str(e) or type(e).__name__
+            if not self.dht.is_alive():  # the node's watchdog reports a dead DHT process (node/watchdog.py)
+                logger.debug(f"could not publish this peer's record: {problem}")
+            elif problem != self._last_problem:
+                self._last_problem = problem
+                logger.warning(f"could not publish this peer's record: {problem}")
             return False
 
     def _store(self, value: dict | None, expiration: float) -> bool:
         # The DHT keeps the entry with the latest expiration: never go backwards.
         expiration = max(expiration, self._last_expiration + 1e-3)
-        if not self.dht.is_alive():
-            raise RuntimeError("the DHT process is gone")
         # bounded: if the DHT process died (SIGTERM to the process group, OOM), a plain store() waits forever
-        future = self.dht.store(self.key, value, expiration_time=expiration, subkey=self.subkey, return_future=True)
-        ok = bool(future.result(timeout=STORE_TIMEOUT_S))
+        ok = dht_store(self.dht, self.key, value, expiration_time=expiration, subkey=self.subkey,
+                       timeout=STORE_TIMEOUT_S, stop=self._stopped if value is not None else None)
         if ok:
             self._last_expiration = expiration
             self.published += 1
@@ -372,6 +421,10 @@ class PeerRecordPublisher:
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=max(5.0, self.interval_s))
+        if remove and not self.dht.is_alive():
+            # a signal to our process group ended the DHT too: nobody to tell; the record expires by itself
+            logger.debug("the DHT process is gone; our record expires by itself")
+            remove = False
         if remove:
             try:
                 if not self._lock.acquire(timeout=STORE_TIMEOUT_S + 1):
@@ -381,4 +434,4 @@ class PeerRecordPublisher:
                 finally:
                     self._lock.release()
             except Exception as e:
-                logger.warning(f"could not remove this peer's record: {e!r}")
+                logger.warning(f"could not remove this peer's record: {e}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -20,6 +21,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
+from diloco_swarm.dht.calls import DHT_CALL_TIMEOUT_S, dht_get, dht_run, dht_store, dht_visible_maddrs
 from diloco_swarm.spec import RunSpec, SpecMismatch
 from diloco_swarm.utils import hivemind_fixes  # noqa: F401  (patches hivemind before any DHT forks)
 from diloco_swarm.utils.net import host_problem, port_problem
@@ -135,6 +137,7 @@ class StateDirLock:
 
 
 BOOTSTRAP_ATTEMPTS = 2
+DHT_START_TIMEOUT_S = 120.0  # p2pd start + bootstrap pings; minutes only on a badly overloaded machine
 
 
 def start_dht(
@@ -176,9 +179,9 @@ def start_dht(
             raise SwarmError(f"--announce: '{a}' is not a multiaddr (expected /ip4/PUBLIC_IP/tcp/PORT)")
     for attempt in range(BOOTSTRAP_ATTEMPTS if initial_peers else 1):
         try:
-            return DHT(
+            dht = DHT(
                 initial_peers=list(initial_peers),
-                start=True,
+                start=False,
                 host_maddrs=listen_maddrs(host, port),
                 announce_maddrs=list(announce) or None,
                 identity_path=str(identity_path) if identity_path else None,
@@ -188,6 +191,20 @@ def start_dht(
                 use_relay=False,
                 use_auto_relay=False,
             )
+            try:
+                dht.run_in_background(await_ready=True, timeout=DHT_START_TIMEOUT_S)
+            except TimeoutError:
+                if dht._ready.done():  # the DHT's own error, not our wait
+                    raise
+                dht.terminate()
+                raise SwarmError(f"the DHT process did not start within {DHT_START_TIMEOUT_S:.0f}s; is the machine "
+                                 "overloaded? Start the node again") from None
+            # hivemind asks the DHT process for these on first use with no time limit: ask now, bounded
+            dht._peer_id = dht_run(dht, DHT._get_peer_id, timeout=DHT_CALL_TIMEOUT_S, what="DHT peer id")
+            dht._client_mode = dht_run(dht, DHT._get_client_mode, timeout=DHT_CALL_TIMEOUT_S, what="DHT client mode")
+            return dht
+        except SwarmError:
+            raise
         except Exception as e:
             text = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             bootstrap_failed = "bootstrap" in text or "failed to connect" in text
@@ -208,6 +225,9 @@ def start_dht(
         )
     if "address already in use" in text:
         raise SwarmError(f"port {port} is already in use; pick another with --port")
+    explained = explain_dht_error(text)
+    if explained is not None:
+        raise SwarmError(explained)
     problem = p2pd_problem()
     if problem is not None or "exec format error" in text.lower():
         raise SwarmError(problem or f"hivemind's libp2p daemon (p2pd) cannot run on this host ({text}); "
@@ -215,9 +235,37 @@ def start_dht(
     raise SwarmError(f"could not start the DHT: {text}")
 
 
+_CLOCK_SKEW = re.compile(r"within (?P<limit>[\d.]+) seconds.*local: (?P<local>[\d.]+), peer: (?P<peer>[\d.]+)")
+_NO_DIAL_BACK = re.compile(r"Peer (?P<peer>\S+) can't access this node")
+
+
+def explain_dht_error(text: str) -> str | None:
+    """A user-facing line for hivemind's bootstrap refusals that mislead as they are, or None.
+
+    - ``local time must be within 3 seconds of others(local: T1, peer: T2)`` (hivemind's
+      ``DHTProtocol.call_ping``): the clock offset in seconds, and to sync the clock.
+    - ``Peer X can't access this node. Probably, libp2p has failed to bypass the firewall``: the
+      peer's ping back reached another node with our peer id (a copied state dir), or none at all.
+    """
+    m = _CLOCK_SKEW.search(text)
+    if m is not None:
+        offset = float(m["local"]) - float(m["peer"])
+        return (f"this machine's clock is {abs(offset):.1f} s {'ahead of' if offset > 0 else 'behind'} the swarm's "
+                f"(peers accept at most {float(m['limit']):g} s); sync the clock with NTP (e.g. `sudo timedatectl "
+                "set-ntp true`, or chrony/ntpd) and start again")
+    m = _NO_DIAL_BACK.search(text)
+    if m is not None:
+        return (f"peer {m['peer']} could not reach this node back. Either another node runs with this node's identity "
+                "(a copied --state-dir: give each node its own, or delete identity.key and record.key in the copy), "
+                "or a firewall blocks inbound connections (then use --client-mode)")
+    return None
+
+
 def visible_maddrs(dht: DHT) -> list[str]:
-    """This node's addresses as other machines should paste them (with ``/p2p/<peer id>``)."""
-    return [str(a) for a in dht.get_visible_maddrs(latest=True)]
+    """This node's addresses as other machines should paste them (with ``/p2p/<peer id>``).
+
+    :raises ChildUnavailable: the DHT process is gone or did not answer in time (dht/calls.py)."""
+    return [str(a) for a in dht_visible_maddrs(dht)]
 
 
 def _spec_differences(ours: RunSpec, published: Any) -> dict[str, tuple[object, object]]:
@@ -236,10 +284,11 @@ def ensure_run_spec(dht: DHT, spec: RunSpec, *, joining: bool, attempts: int = 1
 
     :returns: True when the run already had this spec, False when this peer published it first.
     :raises SpecMismatch: the published spec differs (names the fields).
+    :raises ChildUnavailable: the DHT process is gone or did not answer in time (dht/calls.py).
     """
     key = f"{spec.run_id}_spec"
     for _ in range(attempts if joining else 1):
-        found = dht.get(key, latest=True)
+        found = dht_get(dht, key, latest=True)
         if found is not None:
             diffs = _spec_differences(spec, found.value)
             if diffs:
@@ -252,8 +301,10 @@ def ensure_run_spec(dht: DHT, spec: RunSpec, *, joining: bool, attempts: int = 1
 
 
 def refresh_run_spec(dht: DHT, spec: RunSpec) -> None:
-    """Extend the life of the run's spec record; never overwrite a different spec."""
-    found = dht.get(f"{spec.run_id}_spec", latest=True)
+    """Extend the life of the run's spec record; never overwrite a different spec.
+
+    :raises ChildUnavailable: the DHT process is gone or did not answer in time (dht/calls.py)."""
+    found = dht_get(dht, f"{spec.run_id}_spec", latest=True)
     if found is not None and _spec_differences(spec, found.value):
         return
-    dht.store(f"{spec.run_id}_spec", spec.model_dump(), expiration_time=get_dht_time() + SPEC_TTL_S)
+    dht_store(dht, f"{spec.run_id}_spec", spec.model_dump(), expiration_time=get_dht_time() + SPEC_TTL_S)

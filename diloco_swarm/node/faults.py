@@ -9,6 +9,8 @@ all-reduce, and torchft's ``EventInjector`` injects failures from outside).
 - ``huge``: this peer contributes Δ × 1e6 (a hostile peer).
 - ``stall-allreduce``: this peer hangs in the all-reduce after its first part, and touches
   ``state_dir/allreduce-stalled`` so a test knows when.
+- ``withhold-digest``: this peer confirms each round's average 10 s late (the others wait in their
+  digest cross-check), and touches ``state_dir/digest-withheld`` when it starts withholding.
 - ``drop-part``: as a reducer, this peer refuses every other member's part (a hostile leader or
   reducer that drops honest members' contributions).
 - ``claim-ahead``: this peer claims an outer step 1000 ahead of its own everywhere others read it
@@ -29,10 +31,12 @@ import torch
 
 from diloco_swarm.node.runner import Node
 
-FAULTS = ("nan", "huge", "stall-allreduce", "claim-ahead", "drop-part")
+FAULTS = ("nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part")
 HUGE_FACTOR = 1e6
 CLAIM_AHEAD_STEPS = 1000
 STALL_MARKER_NAME = "allreduce-stalled"
+WITHHOLD_MARKER_NAME = "digest-withheld"
+WITHHOLD_DIGEST_S = 10.0
 
 
 def node_type(fault: str, slowdown: float = 1.0) -> type[Node]:
@@ -47,6 +51,7 @@ def node_type(fault: str, slowdown: float = 1.0) -> type[Node]:
         bases.append(SlowInnerSteps)
     bases += {"": [], "nan": [NonFiniteScalesNode], "huge": [HugeContributionNode],
               "stall-allreduce": [StallingNode], "claim-ahead": [ClaimAheadNode],
+              "withhold-digest": [WithholdingNode],
               "drop-part": [DroppingNode]}[fault]
     return type("FaultyNode", (*bases, Node), {}) if bases else Node
 
@@ -84,6 +89,11 @@ class ClaimAheadNode(Node):
         step = record["outer_step"] + CLAIM_AHEAD_STEPS
         marks = [*record.get("theta_marks", []), (step, theta_digest(self.outer.theta))]
         return {**record, "outer_step": step, "theta_marks": marks}
+
+
+class WithholdingNode(Node):
+    def _averager_type(self) -> type:
+        return _withholding_averager(self.cfg.state_dir / WITHHOLD_MARKER_NAME)
 
 
 class DroppingNode(Node):
@@ -154,3 +164,17 @@ def _dropping_averager() -> type:
         allreduce_runner_type = DroppingAllReduceRunner
 
     return DroppingAverager
+
+
+def _withholding_averager(marker: Path) -> type:
+    import threading
+
+    from diloco_swarm.averaging.averager import PseudoGradientAverager
+
+    class WithholdingAverager(PseudoGradientAverager):
+        def _cross_check(self, stats, result, digest_wait, stop=None):
+            marker.touch()  # confirm late: the others wait in their cross-check meanwhile
+            (stop or threading.Event()).wait(WITHHOLD_DIGEST_S)
+            return super()._cross_check(stats, result, digest_wait, stop)
+
+    return WithholdingAverager

@@ -34,7 +34,8 @@ from diloco_swarm.node.outer_sync import Handoff, OuterSync, RoundControl, Round
 from diloco_swarm.node.report import MetricsWriter, StatusLine
 from diloco_swarm.node.startup import DIGEST_WAIT_S, Startup
 from diloco_swarm.node.stats import NodeStats
-from diloco_swarm.node.statesync import StateSync, _rebootstrap, theta_digest
+from diloco_swarm.node.redial import Redialer, dial_peers
+from diloco_swarm.node.statesync import StateSync, theta_digest
 from diloco_swarm.utils.worker import Worker
 
 WARMUP_INNER_STEPS = 50  # linear inner-LR warm-up over the swarm's first 50 inner steps
@@ -56,6 +57,7 @@ class StopFlag:
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGHUP, self._handle)  # a closed terminal or ssh session: stop cleanly too
 
     def _handle(self, signum, frame) -> None:
         if self.event.is_set():
@@ -107,7 +109,11 @@ class Node(Startup, StateSync):
         during the next inner phase and is applied between two inner steps (node/outer_sync.py).
 
         :raises NodeError, CheckpointError, SwarmError, SpecMismatch, DatasetError: user-facing problems.
+        :raises PartLost: the DHT, the averager or p2pd died under the node (node/watchdog.py).
         """
+        from diloco_swarm.dht.calls import ChildUnavailable
+        from diloco_swarm.node.watchdog import PartLost
+
         self.stop.install()
         self.stats.started = time.monotonic()
         try:
@@ -126,21 +132,32 @@ class Node(Startup, StateSync):
                 if not self.sync.overlap:
                     self._apply_round(wait=True)
             self._leave()
+        except ChildUnavailable as e:  # a DHT/averager call failed: a part died or hangs (dht/calls.py)
+            if self.stop.requested and self.lost is None:  # a signal to our process group ended it too
+                self.metrics.write({"event": "stop", "peer_id": self.peer_id, "outer_step": self.outer_step,
+                                    "graceful": True, "goodput": round(self.stats.goodput(), 4)})
+            else:
+                self.lost = self.lost or str(e)
         finally:
             self._shutdown()
+        if self.lost is not None:
+            raise PartLost(f"{self.lost} (outer step {self.outer_step}); this node stopped. Its checkpoint is "
+                           "kept: restart it with the same --state-dir to rejoin")
 
     def _start(self) -> bool:
         """Set-up, the optional start barrier, join sync and the first evaluation.
         :returns: False when a stop came during start-up (nothing was trained)."""
+        from diloco_swarm.dht.calls import ChildUnavailable
         from diloco_swarm.dht.swarm import SwarmError
 
         try:
             self._setup()
-        except SwarmError:
+        except (SwarmError, ChildUnavailable):
             if self.stop.requested:  # Ctrl+C while starting: leave quietly, nothing was trained
                 self.status.log("stopped during start-up")
                 return False
             raise
+        self._supervise()
         self.stop.training = True
         self._wait_for_peers()
         self._join_sync()
@@ -332,8 +349,7 @@ class Node(Startup, StateSync):
         if self.cfg.initial_peers and now - self._last_rebootstrap > REBOOTSTRAP_EVERY_S:
             # the public peers may be back (restarted at the same address): dial them again
             self._last_rebootstrap = now
-            with contextlib.suppress(Exception):
-                self.dht.run_coroutine(_rebootstrap(self.cfg.initial_peers))
+            dial_peers(self.dht, self.cfg.initial_peers)
             return bool(self.averager.donors())
         return False
 
@@ -532,14 +548,42 @@ class Node(Startup, StateSync):
             with contextlib.suppress(Exception):
                 self._last_checkpoint.result(timeout=CHECKPOINT_WRITE_TIMEOUT_S)
         self.metrics.write({"event": "stop", "peer_id": self.peer_id, "outer_step": self.outer_step,
-                            "graceful": True, "goodput": round(self.stats.goodput(), 4)})
-        if self.averager is not None and not self.client_mode:
+                            "graceful": self.lost is None, "reason": self.lost,
+                            "goodput": round(self.stats.goodput(), 4)})
+        if self.averager is not None and not self.client_mode and self.lost is None:
             with contextlib.suppress(Exception):
                 self.averager.allow_state_sharing = False  # publishes "no longer a donor"
         if self.records is not None:
-            self.records.stop(remove=True)  # goodbye: our record disappears at once
+            self.records.stop(remove=self.lost is None)  # goodbye: our record disappears at once
+
+    # ------------------------------------------------------------------ supervision (node/watchdog.py, node/redial.py)
+    lost: str | None = None  # set when a part of this node died: the node stops with PartLost (exit 3)
+    watchdog = None
+    _redial_known: list[str] = []
+
+    def _supervise(self) -> None:
+        """Watch the DHT, averager and p2pd processes; re-dial the known peers if we started a new swarm."""
+        from diloco_swarm.node.watchdog import Watchdog, node_parts, node_pids
+
+        self.watchdog = Watchdog(node_parts(self.dht, self.averager), self._part_lost,
+                                 socket_owners=node_pids(self.dht, self.averager)).start()
+        if self._redial_known:
+            Redialer(self.dht, self._redial_known, self.stop.event, on_merged=lambda n: self.status.log(
+                f"found {n} of the peers this node saw before; the two swarms merge")).start()
+
+    def _part_lost(self, what: str) -> None:
+        """Watchdog callback (its thread): stop the node; the others' calls fail at once (ends them)."""
+        from diloco_swarm.node.watchdog import end_processes
+
+        if self.stop.requested:
+            return  # a signal to our process group ended that part too: a normal stop
+        self.lost = what
+        self.stop.event.set()
+        end_processes(self.averager, self.dht)  # useless without each other; every call now fails at once
 
     def _shutdown(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()  # the parts now end on purpose
         self.status.close()
         if self.sync is not None:
             self.sync.abandon(timeout=0.0)  # after an error: the averaging thread must not outlive us
@@ -550,6 +594,8 @@ class Node(Startup, StateSync):
             if part is not None and part.is_alive():  # a SIGTERM to our process group may have ended it
                 with contextlib.suppress(Exception):
                     part.shutdown()
+        if self.watchdog is not None:
+            self.watchdog.remove_sockets()  # those hivemind left behind (a killed part never removes its own)
         self.metrics.close()
         if self.lock is not None:
             self.lock.release()

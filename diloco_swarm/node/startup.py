@@ -201,6 +201,7 @@ class Startup:
                 raise
             self.status.log(f"{'none of them answered' if n != 1 else 'it did not answer'}; starting a new swarm of run '{run_id}' "
                             "(to join a running one, restart with --initial-peers)")
+            self._redial_known = known  # they may be restarting too: keep dialing them (node/redial.py)
             return start_dht(initial_peers=[], client_mode=self.client_mode, retry_busy_port_s=15.0, **dht_args)
         self.status.log(f"rejoined the swarm through {them}")
         self.cfg = replace(cfg, initial_peers=known)
@@ -219,7 +220,7 @@ class Startup:
         --public decided it. :returns: "reachable", "unreachable" or "unknown"; sets ``reachability``."""
         from diloco_swarm.averaging.averager import state_donors
         from diloco_swarm.averaging.reachability import check_reachability, transport_addrs
-        from diloco_swarm.dht.swarm import peer_ids_of
+        from diloco_swarm.dht.swarm import peer_ids_of, visible_maddrs
 
         cfg = self.cfg
         if self.stop.requested:
@@ -234,10 +235,10 @@ class Startup:
             return "unknown"
         if not cfg.initial_peers:
             return "unknown"  # the first peer: whoever joins through it proves it reachable
-        maddrs = transport_addrs(self.dht.get_visible_maddrs(latest=True))
+        maddrs = transport_addrs(visible_maddrs(self.dht))
         candidates = [p for p in state_donors(self.dht, self.spec.run_id) if p != self.peer_id]
         candidates += [p for p in peer_ids_of(cfg.initial_peers) if p not in candidates and p != self.peer_id]
-        verdict = check_reachability(self.dht, self.spec.run_id, candidates, maddrs)
+        verdict = check_reachability(self.dht, self.spec.run_id, candidates, maddrs, stop=self.stop.event)
         self.metrics.write({"event": "reachability", "peer_id": self.peer_id, "reachable": verdict.reachable,
                             "responder": verdict.responder, "reason": verdict.reason, "maddrs": maddrs})
         if verdict.reachable is True:

@@ -13,7 +13,6 @@ against the run spec before anything changes.
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
 from collections import Counter
@@ -21,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from diloco_swarm.node.redial import dial_peers
 
 MAX_DONOR_TRIES = 4
 STATE_CHUNK_TIMEOUT_S = 10.0
@@ -114,8 +115,7 @@ class StateSync:
         if not donors:
             # Bootstrap check (guards against DHT splits, hivemind #624): we were given initial
             # peers but see nobody of this run. Re-bootstrap once, then warn in one line.
-            with contextlib.suppress(Exception):
-                self.dht.run_coroutine(_rebootstrap(self.cfg.initial_peers))
+            dial_peers(self.dht, self.cfg.initial_peers)
             time.sleep(1.0)
             donors = self.averager.donors()
         if not donors:
@@ -219,7 +219,7 @@ class StateSync:
             for peer in order[:MAX_DONOR_TRIES]:
                 try:
                     meta, tensors, received = self.averager.download_state(
-                        peer, timeout=STATE_CHUNK_TIMEOUT_S, max_bytes=max_bytes
+                        peer, timeout=STATE_CHUNK_TIMEOUT_S, max_bytes=max_bytes, stop=self.stop.event
                     )
                 except Exception as e:
                     self.status.log(f"state download from {peer} failed: {e}")
@@ -268,28 +268,6 @@ class StateSync:
         self._adopt_state(state)
         self._checkpoint()
         return True
-
-
-class _rebootstrap:
-    """DHT coroutine (runs in the DHT process): ping the initial peers again to refill the routing table."""
-
-    def __init__(self, initial_peers: list[str]):
-        self.initial_peers = list(initial_peers)
-
-    async def __call__(self, _dht, node) -> None:
-        import asyncio
-
-        from hivemind.p2p import PeerID
-        from hivemind.utils.multiaddr import Multiaddr
-
-        for addr in self.initial_peers:
-            try:
-                maddr = Multiaddr(addr)
-                peer_id = PeerID.from_base58(maddr.value_for_protocol("p2p"))
-                await asyncio.wait_for(node.p2p._client.connect(peer_id, [maddr.decapsulate(f"/p2p/{peer_id}")]), 5)
-                await asyncio.wait_for(node.protocol.call_ping(peer_id), 5)
-            except Exception:
-                continue  # that peer is still away; try the others
 
 
 def theta_digest(theta: list[torch.Tensor]) -> str:

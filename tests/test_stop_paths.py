@@ -1,0 +1,148 @@
+"""Every stop path ends in seconds with the checkpoint intact (issue 14), on real nodes.
+
+One long-lived partner and one target node, each in its own session (as a shell or systemd
+starts it). The target is stopped once per cell of the signal matrix and restarted with the same
+state dir; the restart is the proof that the checkpoint loads (its ``start`` event resumes from
+the checkpoint's outer step). Phases are recognised from the target's metrics events and from the
+test-only fault markers: ``--fault stall-allreduce`` (the target hangs inside an all-reduce) and
+``--fault withhold-digest`` on the partner (it confirms the average 10 s late, so the target
+waits in the digest cross-check).
+
+The matrix is {SIGINT, SIGTERM} x {main process, process group} x {inner steps, matchmaking,
+all-reduce, cross-check}, covered pairwise (8 cells: every phase gets both signals and both
+targets, every signal/target pair two phases), plus SIGHUP to the group and a quick double SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from bench.procs import process_tree
+from diloco_swarm.node.watchdog import hivemind_sockets
+from swarmlib import NodeProc
+from test_churn import NO_START_BARRIER, ROUND_S, START_S, ChurnSwarm, last_maddr
+
+pytestmark = [pytest.mark.swarm]
+
+STOP_S = 20.0  # issue 14: every stop path
+INNER, MATCHMAKING, ALLREDUCE, CROSSCHECK = "inner steps", "matchmaking", "all-reduce", "cross-check"
+CELLS = [  # (phase, signal, to the whole process group?)
+    (INNER, signal.SIGTERM, True),
+    (INNER, signal.SIGINT, False),
+    (MATCHMAKING, signal.SIGINT, True),
+    (MATCHMAKING, signal.SIGTERM, False),
+    (ALLREDUCE, signal.SIGTERM, True),
+    (ALLREDUCE, signal.SIGINT, False),
+    (CROSSCHECK, signal.SIGINT, False),
+    (CROSSCHECK, signal.SIGTERM, True),
+    (MATCHMAKING, signal.SIGHUP, True),  # a closed terminal or ssh session
+]
+
+
+def events_since(node: NodeProc, n: int) -> list[dict]:
+    return node.events()[n:]
+
+
+def send(node: NodeProc, sig: int, group: bool) -> None:
+    if group:
+        os.killpg(node.proc.pid, sig)  # the node leads its own process group (Swarm.start(session=True))
+    else:
+        node.proc.send_signal(sig)
+
+
+def checkpoint_step(node: NodeProc) -> int:
+    state = torch.load(node.state_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in state["outer"]["theta"])
+    return int(state["outer_step"])
+
+
+def reach_phase(swarm: ChurnSwarm, target: NodeProc, partner: NodeProc, phase: str, n0: int) -> None:
+    """Wait until the target (restarted: its events from index ``n0`` on) is in ``phase``."""
+    new = lambda kind: [e for e in events_since(target, n0) if e.get("event") == kind]  # noqa: E731
+    if phase == INNER:
+        swarm.wait_alive(lambda: new("eval"), START_S, "the target evaluates, then trains", (target, partner),
+                         poll=0.05)
+    elif phase == MATCHMAKING:
+        swarm.wait_alive(lambda: new("averaging_start"), 2 * ROUND_S, "the target enters matchmaking",
+                         (target, partner), poll=0.05)
+        time.sleep(0.3)  # a group forms after --matchmaking-time (3 s) at the earliest
+    elif phase == ALLREDUCE:
+        marker = target.state_dir / "allreduce-stalled"
+        swarm.wait_alive(marker.exists, 2 * ROUND_S, "the target hangs inside an all-reduce", (target, partner))
+    else:
+        marker = partner.state_dir / "digest-withheld"
+        swarm.wait_alive(marker.exists, 2 * ROUND_S, "the partner withholds its digest", (target, partner))
+        time.sleep(1.0)  # the target has published its own digest and waits for the partner's
+
+
+@pytest.mark.timeout(1500)
+def test_every_signal_in_every_phase_stops_within_20s_with_the_checkpoint_intact(tmp_path):
+    with ChurnSwarm(tmp_path, "stops") as swarm:
+        # The partner trains on bigger batches: the target reaches matchmaking first and waits there.
+        partner = swarm.start("partner", "--batch-size", "16", timeout=START_S)
+        target = None
+        timings = []
+        for phase, sig, group in CELLS:
+            if phase == CROSSCHECK and "withhold-digest" not in partner.args:
+                code, _ = swarm.leave(partner)
+                assert code == 0, partner.output()[-3000:]
+                (partner.state_dir / "digest-withheld").unlink(missing_ok=True)
+                swarm.start("partner", "--batch-size", "16", "--fault", "withhold-digest", *NO_START_BARRIER,
+                            timeout=START_S)
+            args = {INNER: ["--batch-size", "96"], ALLREDUCE: ["--fault", "stall-allreduce"]}.get(phase, [])
+            (tmp_path / "target" / "allreduce-stalled").unlink(missing_ok=True)
+            (partner.state_dir / "digest-withheld").unlink(missing_ok=True)
+            resumed = checkpoint_step(target) if target is not None else 0
+            n0 = len(swarm.nodes["target"].events()) if "target" in swarm.nodes else 0
+            target = swarm.start("target", "--initial-peers", last_maddr(partner), *NO_START_BARRIER, *args,
+                                 timeout=START_S, session=True)
+            start = events_since(target, n0)[0]
+            assert start["event"] == "start" and start["outer_step"] >= resumed, (start, resumed)  # the checkpoint loaded
+            reach_phase(swarm, target, partner, phase, n0)
+            sockets = hivemind_sockets(process_tree(target.proc.pid))
+            t0 = time.monotonic()
+            send(target, sig, group)
+            code = swarm.wait_exit(target, STOP_S + 10)
+            seconds = time.monotonic() - t0
+            name = f"{signal.Signals(sig).name} to the {'process group' if group else 'main process'} in {phase}"
+            timings.append(f"{name}: exit {code} in {seconds:.1f}s")
+            print(timings[-1])
+            tail = target.output()[-3000:]
+            assert code == 0, (name, tail)
+            assert seconds <= STOP_S, (name, seconds, tail)
+            after = events_since(target, n0)
+            stop = [e for e in after if e.get("event") == "stop"]
+            assert stop and stop[-1]["graceful"] is True, (name, after[-4:])
+            assert checkpoint_step(target) == stop[-1]["outer_step"], name
+            kinds = [e["event"] for e in after]
+            if phase == INNER:  # stopped before it reached matchmaking
+                assert "averaging_start" not in kinds[kinds.index("eval"):], (name, kinds)
+            else:  # the round in flight was abandoned (its record says so), then saved
+                abandoned = [e for e in after if e.get("event") == "outer_step"][-1]
+                assert abandoned["reason"] == "stopping" and not abandoned["round_ok"], (name, abandoned)
+                if phase == CROSSCHECK:  # the group had formed and averaged: only the cross-check was left
+                    assert abandoned["group_size"] == 2, (name, abandoned)
+            assert "Traceback" not in tail, (name, tail)
+            leaked = [s for s in sockets if os.path.exists(s)]
+            assert not leaked, (name, leaked)
+
+        # A second signal in quick succession quits at once (exit 130, or killed by it while exiting).
+        n0 = len(target.events())
+        target = swarm.start("target", "--initial-peers", last_maddr(partner), *NO_START_BARRIER,
+                             timeout=START_S, session=True)
+        reach_phase(swarm, target, partner, MATCHMAKING, n0)
+        t0 = time.monotonic()
+        send(target, signal.SIGTERM, True)
+        time.sleep(0.3)
+        send(target, signal.SIGTERM, True)
+        code = swarm.wait_exit(target, STOP_S)
+        seconds = time.monotonic() - t0
+        print(f"double SIGTERM to the process group: exit {code} in {seconds:.1f}s")
+        assert code in (0, 130, -signal.SIGTERM) and seconds <= 5.0, (code, seconds, target.output()[-2000:])
+        checkpoint_step(target)
+        print("\n".join(timings))

@@ -1,0 +1,205 @@
+"""Bounded calls into the DHT process and the watchdog of a node's parts, on a real hivemind DHT.
+
+Each test starts one ``hivemind.DHT`` on 127.0.0.1 (a forked process plus its p2pd daemon, about
+a second), then kills a part of it the way the OOM killer or a signal to the process group would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+
+import pytest
+
+from diloco_swarm.dht.calls import ChildUnavailable, dht_get, dht_run, dht_store
+from diloco_swarm.dht.records import PeerRecordPublisher, record_validators
+from diloco_swarm.dht.swarm import explain_dht_error, start_dht
+from diloco_swarm.node.redial import dial_peers
+from diloco_swarm.node.watchdog import Watchdog, children_of, hivemind_sockets, node_parts, node_pids
+
+
+def isolated(test):
+    """Run ``test(dht, tmp_path)`` in a forked child with its own DHT.
+
+    A SIGKILLed hivemind child can die holding hivemind's cross-process MPFuture lock, and then no
+    later DHT of the same parent process starts (a node never starts one after that: it exits).
+    Each test that kills a part therefore gets a fresh process; a failure comes back as its traceback.
+    """
+
+    def wrapper(tmp_path, *args, **kwargs):
+        parent, child = mp.get_context("fork").Pipe()
+
+        def body():
+            try:
+                node = start_dht(initial_peers=[], host="127.0.0.1", port=0, identity_path=tmp_path / "identity.key",
+                                 record_validators=record_validators("supervised", tmp_path))
+                try:
+                    test(node, tmp_path, *args, **kwargs)
+                finally:
+                    for pid in node_pids(node, None):
+                        if pid != node.pid:
+                            with contextlib.suppress(ProcessLookupError):
+                                os.kill(pid, signal.SIGKILL)
+                    if node.is_alive():
+                        node.kill()
+                child.send("")
+            except BaseException:
+                child.send(traceback.format_exc())
+            os._exit(0)
+
+        proc = mp.get_context("fork").Process(target=body)
+        proc.start()
+        try:
+            assert parent.poll(50), "the isolated test did not finish"
+            error = parent.recv()
+        finally:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+        if error:
+            pytest.fail(error, pytrace=False)
+
+    wrapper.__name__ = test.__name__
+    wrapper.__signature__ = inspect.Signature(
+        [inspect.Parameter("tmp_path", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        + list(inspect.signature(test).parameters.values())[2:])
+    return wrapper
+
+
+def _p2pd(dht) -> int:
+    return next(pid for pid, name in children_of(dht.pid) if name == "p2pd")
+
+
+@pytest.mark.timeout(60)
+@isolated
+def test_calls_fail_within_a_second_once_the_dht_process_is_gone(dht, tmp_path):
+    from hivemind.utils import get_dht_time
+
+    assert dht_store(dht, "k", "v", expiration_time=get_dht_time() + 60)
+    assert dht_get(dht, "k").value == "v"
+    validators = record_validators("supervised", tmp_path)
+    publisher = PeerRecordPublisher(dht, "supervised", validators, lambda: {"peer_id": "QmSupervised"})
+    assert publisher.publish_now()
+
+    os.kill(dht.pid, signal.SIGKILL)  # what a SIGTERM to the node's process group, or the OOM killer, does
+    dht.join(10)
+    for call in (lambda: dht_get(dht, "k"), lambda: dht_store(dht, "k", "w", expiration_time=get_dht_time() + 60),
+                 lambda: dht_run(dht, _Sleep(), timeout=30)):
+        t0 = time.monotonic()
+        with pytest.raises(ChildUnavailable, match="DHT process is gone"):
+            call()
+        assert time.monotonic() - t0 < 1.0
+    assert dial_peers(dht, ["/ip4/127.0.0.1/tcp/1/p2p/QmPeer"]) == 0
+
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("diloco_swarm.dht.records").addHandler(handler)
+    for _ in range(4):  # the publisher thread would do this every 5 s
+        assert not publisher.publish_now()
+    assert not lines, lines  # a dead DHT process is the watchdog's to report (node/watchdog.py), in one line
+    t0 = time.monotonic()
+    publisher.stop(remove=True)  # nothing to remove from a dead DHT: returns at once, quietly
+    assert time.monotonic() - t0 < 1.0
+
+
+class _Sleep:
+    async def __call__(self, _dht, _node):
+        import asyncio
+
+        await asyncio.sleep(3600)
+
+
+@pytest.mark.timeout(60)
+@isolated
+def test_a_publisher_problem_is_logged_once_not_every_5s(dht, tmp_path):
+    snapshot = {"peer_id": ""}  # unusable: every publication fails the same way
+    publisher = PeerRecordPublisher(dht, "supervised", record_validators("supervised", tmp_path), lambda: snapshot)
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("diloco_swarm.dht.records").addHandler(handler)
+    for _ in range(4):
+        assert not publisher.publish_now()
+    assert len(lines) == 1 and "could not publish" in lines[0], lines
+    snapshot["peer_id"] = "QmFine"
+    assert publisher.publish_now()
+    snapshot["peer_id"] = ""
+    assert not publisher.publish_now()  # the same problem again after a success: reported again
+    assert len(lines) == 2, lines
+
+
+@pytest.mark.timeout(60)
+@isolated
+def test_a_hung_call_is_bounded_and_stop_ends_it_early(dht, tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(ChildUnavailable, match="no answer within 1s"):
+        dht_run(dht, _Sleep(), timeout=1.0)
+    assert 0.9 < time.monotonic() - t0 < 3.0
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(ChildUnavailable, match="stopping"):
+        dht_run(dht, _Sleep(), timeout=30.0, stop=stop)
+    assert time.monotonic() - t0 < 2.0
+    assert dht_get(dht, "nothing-here") is None  # the DHT still answers
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("victim", ["p2pd", "dht"])
+@isolated
+def test_watchdog_reports_a_lost_part_once_and_removes_its_sockets(dht, tmp_path, victim):
+    parts = node_parts(dht, None)
+    assert any("p2pd" in name for name in parts) and any("DHT process" in name for name in parts)
+    owners = node_pids(dht, None)
+    sockets = hivemind_sockets(owners)
+    assert any("/tmp/hivemind-p2pd-" in s for s in sockets), sockets  # (a bare DHT listens on no p2pclient socket)
+    calls: list[str] = []
+    watchdog = Watchdog(parts, calls.append, poll_s=0.2, socket_owners=owners).start()
+    time.sleep(0.6)
+    assert not calls and watchdog.check() is None
+
+    pid = _p2pd(dht) if victim == "p2pd" else dht.pid
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    while not calls and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    assert calls, "the watchdog did not notice"
+    assert time.monotonic() - t0 < 3.0
+    expected = "the libp2p daemon p2pd" if victim == "p2pd" else "the DHT process"
+    assert calls[0].startswith(f"{expected} (pid {pid})"), calls
+    time.sleep(0.5)
+    assert len(calls) == 1 and watchdog.lost == calls[0]
+
+    # the node then ends its parts; the sockets a killed part never removed go too
+    for p in owners:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    dht.join(10)
+    deadline = time.monotonic() + 5
+    while any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"
+              for p in owners[1:] if os.path.exists(f"/proc/{p}")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    watchdog.stop()
+    watchdog.remove_sockets()
+    assert not [s for s in sockets if os.path.exists(s)]
+
+
+def test_misleading_bootstrap_refusals_are_explained():
+    skew = explain_dht_error("ValidationError: local time must be within 3 seconds  of others(local: 1764480000.25000, "
+                             "peer: 1764480007.75000)")
+    assert "7.5 s behind" in skew and "NTP" in skew and "3 s" in skew
+    ahead = explain_dht_error("local time must be within 3 seconds  of others(local: 1764480010.0, peer: 1764480000.0)")
+    assert "10.0 s ahead of" in ahead
+    clash = explain_dht_error("Peer QmAbc can't access this node. Probably, libp2p has failed to bypass the firewall")
+    assert "QmAbc" in clash and "identity" in clash and "--state-dir" in clash and "--client-mode" in clash
+    assert explain_dht_error("something else") is None
