@@ -268,7 +268,10 @@ def _restart_and_rejoin(swarm: ChurnSwarm, victim: NodeProc, via: NodeProc, othe
 
 @pytest.mark.timeout(1800)
 def test_kill_matrix(tmp_path):
-    with ChurnSwarm(tmp_path, "killmatrix", extra=["--wait-for-peers", "3"]) as swarm:
+    # Blocking sync mode: the phases killed in (inner steps, matchmaking, all-reduce) follow each other
+    # there. Overlapped, a node is nearly always training and averaging at once; tests/test_overlap.py
+    # kills one mid-round, and the chaos test below kills at random moments.
+    with ChurnSwarm(tmp_path, "killmatrix", extra=["--wait-for-peers", "3", "--sync-mode", "blocking"]) as swarm:
         # The survivors train on bigger batches (a local flag): their inner steps take longer, so
         # in (b) the victim, on small batches, reaches matchmaking well before them.
         a = swarm.start("a", "--batch-size", "16", timeout=START_S)

@@ -96,7 +96,8 @@ class Node(Startup, StateSync):
         self._last_rebootstrap = 0.0
         self._state_lock = threading.Lock()  # θ_global is read by the donation thread
         self.sync: OuterSync | None = None
-        self._housekeeping = Worker("housekeeping")  # checkpoint writes, DHT upkeep
+        self._housekeeping = Worker("housekeeping")  # DHT upkeep: records, run spec, the swarm's records
+        self._checkpoints = Worker("checkpoint")  # writes, in order; never queued behind a slow DHT call
         self._last_checkpoint = None  # future of the newest checkpoint write
         self.swarm_inner_step_s: float | None = None  # the online peers' median (DyLU)
         self._digest_cache: tuple[tuple[int, int], str] | None = None  # ((outer step, state syncs), digest)
@@ -483,7 +484,7 @@ class Node(Startup, StateSync):
     def _save_checkpoint_in_background(self) -> None:
         """Snapshot the state now (training thread), write it on the housekeeping thread."""
         state = self._checkpoint_state()
-        self._last_checkpoint = self._housekeeping.submit(save_checkpoint, self.cfg.state_dir, state)
+        self._last_checkpoint = self._checkpoints.submit(save_checkpoint, self.cfg.state_dir, state)
 
     def _dht_upkeep(self) -> None:
         """Housekeeping thread: publish our record, refresh the run spec, read the swarm's records
@@ -543,7 +544,8 @@ class Node(Startup, StateSync):
         pending_inner_s = self.sync.pending_inner_s()
         self.sync.abandon(timeout=5.0)
         self.stats.wasted_inner_s += pending_inner_s
-        self._housekeeping.close()  # the queued checkpoint write still runs
+        self._housekeeping.close()
+        self._checkpoints.close()  # the queued checkpoint write still runs
         if self._last_checkpoint is not None:
             with contextlib.suppress(Exception):
                 self._last_checkpoint.result(timeout=CHECKPOINT_WRITE_TIMEOUT_S)
@@ -588,6 +590,7 @@ class Node(Startup, StateSync):
         if self.sync is not None:
             self.sync.abandon(timeout=0.0)  # after an error: the averaging thread must not outlive us
         self._housekeeping.close()
+        self._checkpoints.close()
         if self.records is not None:
             self.records.stop(remove=False)
         for part in (self.averager, self.dht):
