@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from diloco_swarm import __version__
-from diloco_swarm.data import BatchSampler, evaluate, held_out_batches, load_corpus
-from diloco_swarm.models import build_model, num_parameters
+from diloco_swarm.data import evaluate
+from diloco_swarm.models import num_parameters
 from diloco_swarm.node.checkpoint import (CheckpointError, checkpoint_path, load_checkpoint,
                                           remove_stale_temp_files, save_checkpoint)
 from diloco_swarm.node.config import NodeConfig
@@ -152,9 +152,11 @@ class Node:
         remove_stale_temp_files(cfg.state_dir)  # left by a write that a second Ctrl+C or a crash cut short
 
         # Everything local that can fail is checked before we touch the network.
-        self.corpus = load_corpus(cfg.dataset, max_bytes=cfg.max_dataset_bytes)
-        self.corpus.check(spec.seq_len)
-        spec = self.spec = spec.model_copy(update={"dataset": self.corpus.description})
+        from diloco_swarm.node.assets import build_run_assets  # issue 11: tokenizer, data and model, and their identities
+
+        self.assets = build_run_assets(spec, dataset=cfg.dataset, tokenizer_arg=cfg.tokenizer,
+                                       max_bytes=cfg.max_dataset_bytes, log=self.status.log)
+        spec = self.spec = self.assets.spec
         checkpoint = load_checkpoint(checkpoint_path(cfg.state_dir))
         if checkpoint is not None and checkpoint.get("spec") != spec.model_dump():
             theirs = checkpoint.get("spec") or {}
@@ -164,7 +166,8 @@ class Node:
                 "use another --state-dir, or the flags of that run"
             )
 
-        self.model = build_model(spec.model, seed=spec.seed).to(self.device)
+        self.model = self.assets.model.to(self.device)
+        self.assets.save_for_export(cfg.state_dir)
         if spec.seq_len > self.model.config.block_size:
             raise NodeError(
                 f"--seq-len {spec.seq_len} exceeds the '{spec.model}' model's context of {self.model.config.block_size}"
@@ -204,8 +207,8 @@ class Node:
             self.dht.shutdown()
             self.client_mode, self.reachability = True, "client"
             self.dht = start_dht(initial_peers=cfg.initial_peers, client_mode=True, retry_busy_port_s=15.0, **dht_args)
-        self.sampler = BatchSampler(self.corpus.train, cfg.batch_size, spec.seq_len, seed=spec.seed, stream_id=self.peer_id)
-        self.eval_set = held_out_batches(self.corpus.held_out, cfg.batch_size, spec.seq_len, cfg.eval_batches)
+        self.sampler = self.assets.sampler(cfg.batch_size, spec.seq_len, seed=spec.seed, stream_id=self.peer_id)
+        self.eval_set = self.assets.held_out_batches(cfg.batch_size, spec.seq_len, cfg.eval_batches)
         self.averager = PseudoGradientAverager(
             [t.clone() for t in self.outer.theta],
             self.dht,
@@ -225,7 +228,7 @@ class Node:
         self.records.start()
         self.status.log(
             f"peer {self.peer_id} | run '{spec.run_id}' | model {spec.model} "
-            f"({num_parameters(self.model) / 1e6:.2f}M params) on {self.device} | data {self.corpus.description}"
+            f"({num_parameters(self.model) / 1e6:.2f}M params) on {self.device} | data {self.assets.description}"
         )
         if self.client_mode:  # nobody can dial a client: its addresses are useless to joiners
             self.status.log("others cannot join through this node (it is a client); give them the address of a "
