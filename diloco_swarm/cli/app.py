@@ -237,6 +237,27 @@ def demo(
     raise typer.Exit(code)
 
 
+@app.command()
+def export(
+    state_dir: Annotated[Path, typer.Option(help="State dir of a node that trained (holds checkpoint.pt).")] = Path("diloco-state"),
+    out: Annotated[Path, typer.Option(help="New folder to write the Hugging Face model into (must not exist, or be empty).")] = Path("diloco-export"),
+) -> None:
+    """Write θ_global of a node's checkpoint as a Hugging Face model folder (config.json, model.safetensors,
+    tokenizer files) that transformers.AutoModelForCausalLM.from_pretrained(OUT) loads."""
+    from diloco_swarm.node.checkpoint import CheckpointError
+    from diloco_swarm.node.export import ExportError, export_model
+
+    try:
+        info = export_model(state_dir, out)
+    except (ExportError, CheckpointError) as e:
+        raise fail(str(e))
+    except OSError as e:
+        raise fail(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "))
+    err.print(f"exported {escape(printable(info['model']))} ({info['architecture']}) at outer step "
+              f"{info['outer_step']} to {escape(printable(out))}: {', '.join(info['files'])}", soft_wrap=True)
+    err.print(f"load it with: AutoModelForCausalLM.from_pretrained({escape(repr(str(out)))})", soft_wrap=True)
+
+
 def _cli_exception_types() -> tuple[type[BaseException], ...]:
     """Usage/parameter errors of typer (which vendors click since 0.2x) and of click itself."""
     types: list[type[BaseException]] = [getattr(typer, "TyperException", None)]

@@ -184,6 +184,8 @@ def copy_tokenizer_files(tok: Tokenizer, out: Path) -> list[str]:
     if tok.source is not None and tok.source.is_dir():
         names = [n for n in TOKENIZER_FILES if (tok.source / n).is_file()]
         out.mkdir(parents=True, exist_ok=True)
+        if tok.source.resolve() == out.resolve():
+            return names
         for n in names:
             shutil.copyfile(tok.source / n, out / n)
         if "tokenizer_config.json" in names:
