@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -69,18 +70,29 @@ def open_local(source: HFSource):
             if builder is None:
                 raise DatasetError(f"dataset file {str(path)!r}: unknown format {path.suffix!r}; use "
                                    f"{', '.join(sorted(BUILDER_BY_SUFFIX))} or a folder")
-            loaded = datasets.load_dataset(builder, data_files={"train": str(path)}, name=source.config)
+            if source.split != "train":
+                raise DatasetError(f"dataset file {str(path)!r} is one split, 'train'; use @train (or leave @SPLIT "
+                                   f"out), not @{source.split}")
+            loaded = datasets.load_dataset(builder, data_files={"train": str(path)}, name=source.config, split="train")
         else:
             files = [full for _, full in _folder_files(str(path))]
             if not files:
                 raise DatasetError(f"dataset folder {str(path)!r} holds no files")
+            # split=...: only that split is built (datasets refuses to build an empty one)
             if all(f.endswith(".txt") for f in files):  # one document per file, not per line
-                loaded = datasets.load_dataset("text", data_dir=str(path), sample_by="document")
+                loaded = datasets.load_dataset("text", data_dir=str(path), sample_by="document", split=source.split)
             else:
-                loaded = datasets.load_dataset(str(path), name=source.config)
+                loaded = datasets.load_dataset(str(path), name=source.config, split=source.split)
     except DatasetError:
         raise
     except Exception as e:  # datasets raises many types (FileNotFoundError, ValueError, DatasetGenerationError...)
+        text = str(e)
+        known = re.search(r"Unknown split .*one of \[(.*)\]", text)
+        if known:
+            raise DatasetError(f"dataset {source.name!r} has no split {source.split!r} (it has: "
+                               f"{known.group(1).replace(chr(39), '')}); choose one with @SPLIT") from None
+        if "corresponds to no data" in text:
+            raise _empty_split(source) from None
         raise DatasetError(f"dataset {source.name!r} cannot be read: {_first_line(e)}") from None
     if isinstance(loaded, datasets.DatasetDict):
         if source.split not in loaded:
@@ -91,6 +103,11 @@ def open_local(source: HFSource):
         raise DatasetError(f"dataset {source.name!r} holds a single split, saved without a name; use @train "
                            f"(or leave @SPLIT out), not @{source.split}")
     return loaded
+
+
+def _empty_split(source: HFSource) -> DatasetError:
+    return DatasetError(f"dataset {source.name!r}: split {source.split!r} is empty (0 rows); choose another split "
+                        "with @SPLIT")
 
 
 def check_column(source: HFSource, features: Any, column_names: list[str] | None) -> None:
@@ -138,8 +155,7 @@ def load_hf_corpus(source: HFSource, tokenizer: Tokenizer, *, max_bytes: int | N
     ds = open_local(source)
     check_column(source, ds.features, ds.column_names)
     if len(ds) == 0:
-        raise DatasetError(f"dataset {source.name!r}: split {source.split!r} is empty (0 rows); choose another "
-                           "split with @SPLIT")
+        raise _empty_split(source)
     dtype = token_dtype(tokenizer.vocab_size)
     sep = np.asarray(tokenizer.separator, dtype=dtype)
     train: list[np.ndarray] = []

@@ -124,8 +124,6 @@ def build_run_assets(spec: RunSpec, *, dataset: str | None, tokenizer_arg: str |
     source = resolve_model(spec.model)
     tok = load_tokenizer(default_tokenizer(spec.model, tokenizer_arg, source.folder))
     vocab = model_vocab_size(source, tok.vocab_size, tok.is_byte)
-    if not tok.is_byte:
-        log(f"tokenizer {tok.identity} ({tok.vocab_size} tokens) from {tok.source}")
 
     stream = held_out_stream = None
     if is_hf_dataset(dataset):
@@ -157,6 +155,8 @@ def build_run_assets(spec: RunSpec, *, dataset: str | None, tokenizer_arg: str |
                          f"the stream but --seq-len {spec.seq_len} needs {spec.seq_len + 1}")
 
     built = build(source, spec.seed, vocab)
+    if not tok.is_byte:
+        log(f"tokenizer {tok.identity} ({tok.vocab_size} tokens) from {tok.source}; model vocabulary {vocab}")
     spec = spec.model_copy(update={"model": built.identity, "dataset": description, "tokenizer": tok.identity,
                                    "vocab_size": built.vocab_size})
     return RunAssets(spec=spec, tokenizer=tok, model=built.module, corpus=corpus, description=description,
@@ -203,9 +203,8 @@ def _with_progress(log: Callable[[str], None], what: str, work: Callable[[Callab
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    t0 = time.monotonic()
+    t0 = time.monotonic()  # no line before the work: a bad dataset must end in one error line only
     console = Console(stderr=True)
-    log(f"{what} ...")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not sys.stderr.isatty()) as bar:
         task = bar.add_task(what, total=None)
