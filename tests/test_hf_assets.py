@@ -217,12 +217,8 @@ def test_vocabulary_rules(assets):
 # --- command line: one line, exit 2 -------------------------------------------------------------
 
 
-def run_join(assets_, *args, timeout=240):
-    env = {**__import__("os").environ, **offline_env(assets_.root)}
-    proc = subprocess.run([sys.executable, "-m", "diloco_swarm", "join", "--host", "127.0.0.1", "--port", "0",
-                           "--threads", "1", "--compression", "fp32", "--seq-len", "32",
-                           "--state-dir", str(assets_.root / "state-cli"), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    """The contract for bad input: exit 2, no traceback, exactly one line on stderr, `error: ...`."""
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -230,9 +226,35 @@ def run_join(assets_, *args, timeout=240):
     return lines[0]
 
 
-@pytest.mark.parametrize("case", ["missing column", "empty split", "tokenizer too big", "hub dataset offline",
-                                  "hub model offline"])
-def test_bad_input_is_one_line_and_exit_2(assets, case):
+def run_all(commands: dict[str, list[str]], env: dict[str, str] | None = None, timeout: float = 240):
+    """Run the commands at once (their imports overlap) and return {name: CompletedProcess}."""
+    procs = {name: subprocess.Popen([sys.executable, "-m", "diloco_swarm", *cmd], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=env)
+             for name, cmd in commands.items()}
+    done = {}
+    try:
+        for name, p in procs.items():
+            out, err = p.communicate(timeout=timeout)
+            done[name] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return done
+
+
+BAD_INPUT = {
+    "missing column": "has no column 'body'",
+    "empty split": "split 'validation' is empty",
+    "tokenizer too big": "the tokenizer has 800 tokens",
+    "hub dataset offline": "offline",
+    "hub model offline": "offline",
+}
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(assets):
     tok = ["--tokenizer", str(assets.tokenizer)]
     args = {
         "missing column": ["--model", "llama-tiny", *tok, "--dataset", f"hf:{assets.parquet}#body"],
@@ -241,15 +263,17 @@ def test_bad_input_is_one_line_and_exit_2(assets, case):
                               "--dataset", f"hf:{assets.parquet}"],
         "hub dataset offline": ["--model", "llama-tiny", *tok, "--dataset", "hf:allenai/c4:en@train#text"],
         "hub model offline": ["--model", "hf:PrimeIntellect/llama-150m-fresh", *tok],
-    }[case]
-    line = run_join(assets, *args)
-    assert {
-        "missing column": "has no column 'body'",
-        "empty split": "split 'validation' is empty",
-        "tokenizer too big": "the tokenizer has 800 tokens",
-        "hub dataset offline": "offline",
-        "hub model offline": "offline",
-    }[case] in line
+    }
+    common = ["join", "--host", "127.0.0.1", "--port", "0", "--threads", "1", "--compression", "fp32",
+              "--seq-len", "32"]
+    env = {**__import__("os").environ, **offline_env(assets.root)}
+    return run_all({name: [*common, "--state-dir", str(assets.root / f"state-{i}"), *a]
+                    for i, (name, a) in enumerate(args.items())}, env=env)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input_is_one_line_and_exit_2(bad_input_runs, case):
+    assert BAD_INPUT[case] in one_error_line(bad_input_runs[case])
 
 
 # --- export ------------------------------------------------------------------------------------
@@ -287,22 +311,17 @@ def test_byte_preset_exports_as_gpt2_with_identical_logits(tmp_path):
 
 
 def test_export_errors_are_one_line_and_exit_2(tmp_path):
-    def export(*args):
-        proc = subprocess.run([sys.executable, "-m", "diloco_swarm", "export", *args], capture_output=True, text=True,
-                              timeout=120)
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-        return lines[0]
-
-    assert "does not exist" in export("--state-dir", str(tmp_path / "none"), "--out", str(tmp_path / "o"))
     (tmp_path / "empty").mkdir()
-    assert "holds no checkpoint" in export("--state-dir", str(tmp_path / "empty"), "--out", str(tmp_path / "o"))
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "checkpoint.pt").write_bytes(b"PK\x03\x04 truncated" * 10)
-    assert "corrupt or truncated" in export("--state-dir", str(tmp_path / "bad"), "--out", str(tmp_path / "o"))
     _fake_trained_state(tmp_path / "ok", "tiny")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
-    assert "not empty" in export("--state-dir", str(tmp_path / "ok"), "--out", str(tmp_path / "full"))
-    assert (tmp_path / "full" / "keep.txt").read_text() == "mine" and not (tmp_path / "o").exists()
+    cases = {"missing": ("none", "o1", "does not exist"), "no checkpoint": ("empty", "o2", "holds no checkpoint"),
+             "corrupt": ("bad", "o3", "corrupt or truncated"), "out not empty": ("ok", "full", "not empty")}
+    runs = run_all({name: ["export", "--state-dir", str(tmp_path / sd), "--out", str(tmp_path / out)]
+                    for name, (sd, out, _) in cases.items()}, timeout=120)
+    for name, (_, _, expected) in cases.items():
+        assert expected in one_error_line(runs[name]), name
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3"))
