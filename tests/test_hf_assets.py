@@ -325,3 +325,21 @@ def test_export_errors_are_one_line_and_exit_2(tmp_path):
         assert expected in one_error_line(runs[name]), name
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
     assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3"))
+
+
+def test_hf_model_folder_with_weights_is_the_starting_point(assets, tmp_path):
+    """hf:FOLDER with model.safetensors: θ starts from those weights (not the seed), and they enter the identity."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from diloco_swarm.models.registry import build, resolve_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(123)
+        pretrained = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(assets.small_model)))
+    pretrained.save_pretrained(str(tmp_path / "weights"))
+    a = build(resolve_model(f"hf:{tmp_path / 'weights'}"), seed=0, vocab_size=320)
+    b = build(resolve_model(f"hf:{tmp_path / 'weights'}"), seed=5, vocab_size=320)
+    assert ",weights=" in a.identity and a.identity == b.identity
+    assert all(torch.equal(p, q) for p, q in zip(a.module.parameters(), pretrained.parameters()))
+    config_only = build(resolve_model(f"hf:{assets.small_model}"), seed=0, vocab_size=320)
+    assert config_only.identity == a.identity.split(",")[0]
