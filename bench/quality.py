@@ -33,6 +33,9 @@ import torch
 from bench.common import human_bytes, md_table
 
 VARIANTS = ("data-parallel", "DiLoCo fp32", "DiLoCo int8", "no averaging")
+# A second model, same corpus, tokens and settings: a transformers Llama (models/hf.py) with a byte vocabulary.
+LLAMA_ROW_PRESET = "llama-tiny"
+LLAMA_ROW_VARIANTS = ("data-parallel", "DiLoCo int8")
 
 SIZES = {
     "smoke": {"preset": "tiny", "k": 4, "batch": 2, "seq_len": 32, "H": 2, "outer_steps": 2, "eval_batch": 4,
@@ -64,6 +67,17 @@ def _setup(cfg):
     return corpus, eval_set
 
 
+def _build(preset: str):
+    """A seeded model: a byte-level GPT preset, or a Llama preset with the 256-token byte vocabulary."""
+    if preset.startswith("llama-"):
+        from diloco_swarm.models.registry import build, resolve_model
+
+        return build(resolve_model(preset), seed=SEED, vocab_size=256).module
+    from diloco_swarm.models import build_model
+
+    return build_model(preset, seed=SEED)
+
+
 def _inner_opt(params):
     return torch.optim.AdamW(params, lr=INNER_LR, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -84,7 +98,6 @@ def _train_steps(model, opt, batches, step0: int, warmup: int) -> int:
 def run_variant(variant: str, cfg: dict[str, Any], threads: int) -> dict[str, Any]:
     """Train one variant; returns its loss curve ``[(tokens, loss[, min, max])]`` and timings."""
     from diloco_swarm.data import BatchSampler, evaluate
-    from diloco_swarm.models import build_model
     from diloco_swarm.node.outer import OuterOptimizer
 
     torch.set_num_threads(threads)
@@ -96,7 +109,7 @@ def run_variant(variant: str, cfg: dict[str, Any], threads: int) -> dict[str, An
     curve = []
     train_s = 0.0
     if variant == "data-parallel":
-        model = build_model(cfg["preset"], seed=SEED)
+        model = _build(cfg["preset"])
         opt = _inner_opt(model.parameters())
         sampler = BatchSampler(corpus.train, k * b, T, seed=SEED, stream_id="data-parallel")
         curve.append([0, evaluate(model, eval_set, "cpu")])
@@ -109,13 +122,13 @@ def run_variant(variant: str, cfg: dict[str, Any], threads: int) -> dict[str, An
     else:
         from diloco_swarm.averaging import codec
 
-        replicas = [build_model(cfg["preset"], seed=SEED) for _ in range(k)]
+        replicas = [_build(cfg["preset"]) for _ in range(k)]
         opts = [_inner_opt(r.parameters()) for r in replicas]
         samplers = [BatchSampler(corpus.train, b, T, seed=SEED, stream_id=f"peer-{i}") for i in range(k)]
         shared = variant != "no averaging"
         outers = [OuterOptimizer(replicas[i].parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM)
                   for i in range(1 if shared else k)]
-        evaluator = build_model(cfg["preset"], seed=SEED)
+        evaluator = _build(cfg["preset"])
         steps = [0] * k
 
         def eval_all():
@@ -166,7 +179,6 @@ def _int8_roundtrip(tensors, codec):
 def _calibrate(cfg) -> dict[str, float]:
     """Median ms per inner step (per-peer batch) with 1 and 2 torch threads, interleaved."""
     from diloco_swarm.data import BatchSampler
-    from diloco_swarm.models import build_model
 
     corpus, _ = _setup(cfg)
     sampler = BatchSampler(corpus.train, cfg["batch"], cfg["seq_len"], seed=SEED, stream_id="calibration")
@@ -176,7 +188,7 @@ def _calibrate(cfg) -> dict[str, float]:
         for rep in range(2):
             for th in (1, 2):
                 torch.set_num_threads(th)
-                model = build_model(cfg["preset"], seed=SEED)
+                model = _build(cfg["preset"])
                 opt = _inner_opt(model.parameters())
                 batches = list(sampler.batches_for_outer_step(rep, cfg["calib_steps"] + 2))
                 _train_steps(model, opt, batches[:2], 0, 10)
@@ -207,7 +219,7 @@ def _bytes_per_peer(cfg, P: int) -> dict[str, float]:
 def run(size: str) -> dict[str, Any]:
     import os
 
-    from diloco_swarm.models import build_model, num_parameters
+    from diloco_swarm.models import num_parameters
 
     cfg = dict(SIZES[size])
     calib = _calibrate(cfg)
@@ -226,16 +238,24 @@ def run(size: str) -> dict[str, Any]:
             results = pool.starmap(run_variant, [(v, cfg, threads) for v in order], chunksize=1)
         results.sort(key=lambda r: VARIANTS.index(r["variant"]))
     wall = time.perf_counter() - t0
-    P = num_parameters(build_model(cfg["preset"], seed=SEED))
+    P = num_parameters(_build(cfg["preset"]))
     bytes_pp = _bytes_per_peer(cfg, P)
     for r in results:
         r["bytes_per_peer"] = bytes_pp[r["variant"]]
+        r["final_loss"] = r["curve"][-1][1]
+    llama_cfg = {**cfg, "preset": LLAMA_ROW_PRESET}
+    llama = [run_variant(v, llama_cfg, threads) for v in LLAMA_ROW_VARIANTS]
+    P_llama = num_parameters(_build(LLAMA_ROW_PRESET))
+    llama_bytes = _bytes_per_peer(llama_cfg, P_llama)
+    for r in llama:
+        r["bytes_per_peer"] = llama_bytes[r["variant"]]
         r["final_loss"] = r["curve"][-1][1]
     return {"config": {**cfg, "inner_lr": INNER_LR, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MOMENTUM,
                        "seed": SEED, "params": P, "corpus": "python-stdlib (load_corpus(None, max_bytes))",
                        "total_tokens": cfg["k"] * cfg["batch"] * cfg["seq_len"] * cfg["H"] * cfg["outer_steps"]},
             "calibration_ms_per_step": calib, "threads": threads, "workers": workers, "train_wall_s": wall,
-            "variants": results}
+            "variants": results,
+            "llama_row": {"preset": LLAMA_ROW_PRESET, "params": P_llama, "vocab_size": 256, "variants": llama}}
 
 
 def render(result: dict[str, Any], docs_dir: Path) -> str:
@@ -271,6 +291,18 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
             f"no averaging − DiLoCo fp32 = **{solo['final_loss'] - f32['final_loss']:+.4f}**. "
             f"DiLoCo int8 sent {dp['bytes_per_peer'] / max(i8['bytes_per_peer'], 1):,.0f}× fewer bytes per peer than "
             f"data-parallel.\n")
+    llama = result.get("llama_row")
+    if llama:
+        lrows = [[f"{llama['preset']}: {r['variant']}", f"{r['curve'][0][1]:.3f}", f"{r['final_loss']:.3f}",
+                  human_bytes(r["bytes_per_peer"]), f"{r['train_s']:.0f}"] for r in llama["variants"]]
+        md.append(f"\n`{llama['preset']}` row: a `transformers` `LlamaForCausalLM` ({llama['params']:,} parameters, "
+                  f"byte vocabulary of {llama['vocab_size']}, models/hf.py) on the same corpus, tokens and settings:\n")
+        md.append(md_table(["model: variant", "loss at start", "final held-out loss", "bytes sent per peer (whole run)",
+                            "train s (wall)"], lrows))
+        lby = {r["variant"]: r for r in llama["variants"]}
+        if "data-parallel" in lby and "DiLoCo int8" in lby:
+            md.append(f"\n{llama['preset']}: DiLoCo int8 − data-parallel = "
+                      f"**{lby['DiLoCo int8']['final_loss'] - lby['data-parallel']['final_loss']:+.4f}** at equal tokens.\n")
     cal = result["calibration_ms_per_step"]
     md.append(f"\nThreads: one inner step (batch {cfg['batch']}) took {cal['1']:.0f} ms with "
               f"`torch.set_num_threads(1)` and {cal['2']:.0f} ms with 2 (median, interleaved; 2 threads are used only "

@@ -12,11 +12,15 @@ import hashlib
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 PROTOCOL_VERSION = 2  # 2: sync_mode; records carry inner_step_s
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
 RUN_ID_MAX = 64
+# Fields added after the first release, with the value every earlier run implicitly had. A spec
+# holding these values serializes without them, so its hash, its DHT record and the checkpoints of
+# runs started before the fields existed stay exactly as they were.
+LATER_FIELD_DEFAULTS: dict[str, object] = {"tokenizer": "byte", "vocab_size": 256}
 
 
 def run_id_problem(run_id: str) -> str | None:
@@ -36,8 +40,10 @@ class RunSpec(BaseModel):
 
     run_id: str = Field(min_length=1, max_length=RUN_ID_MAX, pattern=RUN_ID_PATTERN)
     protocol_version: int = PROTOCOL_VERSION
-    model: str
-    dataset: str
+    model: str = Field(description="preset name, or 'hf:config=<sha256/16>[,weights=<sha256/16>]' (models/registry.py)")
+    dataset: str = Field(description="data identity: 'python-stdlib', 'files:...' or 'hf:...' (data/)")
+    tokenizer: str = Field("byte", description="'byte', or 'sha256:<16 hex>' of the tokenizer's files (data/tokenizer.py)")
+    vocab_size: int = Field(256, gt=0, description="rows of the model's embedding (token ids the model accepts)")
     seq_len: int = Field(gt=0)
     inner_steps: int = Field(gt=0, description="H: inner steps per outer step")
     inner_lr: float = Field(gt=0, allow_inf_nan=False)
@@ -49,13 +55,21 @@ class RunSpec(BaseModel):
     # blocking: training waits for each round (DiLoCo, arXiv 2311.08105). Changes what every member applies.
     sync_mode: Literal["overlap", "blocking"] = "overlap"
 
+    @model_serializer(mode="wrap")
+    def _omit_later_fields_at_their_defaults(self, handler):
+        data = handler(self)
+        for name, default in LATER_FIELD_DEFAULTS.items():
+            if data.get(name) == default:
+                data.pop(name)
+        return data
+
     def spec_hash(self) -> str:
         """sha256 (16 hex digits) of the canonical JSON of the spec."""
         return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
 
     def differences(self, other: "RunSpec") -> dict[str, tuple[object, object]]:
         """Fields whose values differ: ``{name: (ours, theirs)}``."""
-        mine, theirs = self.model_dump(), other.model_dump()
+        mine, theirs = dict(self), dict(other)
         return {k: (mine[k], theirs.get(k)) for k in mine if mine[k] != theirs.get(k)}
 
 

@@ -45,12 +45,6 @@ class Device(str, Enum):
     mps = "mps"
 
 
-class Model(str, Enum):
-    tiny = "tiny"
-    small = "small"
-    base = "base"
-
-
 class Compression(str, Enum):
     int8 = "int8"
     fp16 = "fp16"
@@ -88,8 +82,9 @@ def join(
     announce: Annotated[Optional[list[str]], typer.Option("--announce", help="Public multiaddr(s) other peers should dial, e.g. /ip4/203.0.113.5/tcp/31337 for a port-forwarded home PC.", rich_help_panel=SWARM)] = None,
     client_mode: Annotated[bool, typer.Option("--client-mode", help="Only dial out, skipping the reachability check (a home PC without port forwarding). A client trains and averages through public peers but reduces no parts and donates no state. Default: decided at start by a dial-back check (docs/networking.md).", rich_help_panel=SWARM)] = False,
     public: Annotated[bool, typer.Option("--public", help="Serve as a full peer without the reachability check (you know other peers can dial this node).", rich_help_panel=SWARM)] = False,
-    dataset: Annotated[Optional[str], typer.Option(help="Text file, folder or glob. Default: the Python standard library's source files (no download).", rich_help_panel=TRAINING)] = None,
-    model: Annotated[Model, typer.Option(help="Model size preset: tiny (~0.5M params, CPUs/tests), small (~11M), base (~100M, GPUs).", rich_help_panel=TRAINING)] = Model.tiny,
+    dataset: Annotated[Optional[str], typer.Option(help="Text file, folder or glob; or hf:NAME_OR_PATH[:CONFIG][@SPLIT][#COLUMN], a Hugging Face dataset (local parquet, JSON Lines, Arrow or text folder; Hub id streamed when online). Default: the Python standard library's source files (no download).", rich_help_panel=TRAINING)] = None,
+    model: Annotated[str, typer.Option(help="tiny (~0.5M params, CPUs/tests), small (~11M), base (~100M): byte-level GPT; llama-tiny (~3.5M), llama-150m, llama-1b (OpenDiLoCo's shapes): Llama, vocabulary from --tokenizer; hf:PATH_OR_ID: a causal LM config (and weights, the starting point) from a local folder or the Hub.", rich_help_panel=TRAINING)] = "tiny",
+    tokenizer: Annotated[Optional[str], typer.Option(help="byte (one token per byte), a tokenizer.json, a tokenizer folder or a Hub id. Default: byte for tiny/small/base, the model folder's own for hf:, required for llama-*.", rich_help_panel=TRAINING)] = None,
     inner_steps: Annotated[int, typer.Option(min=1, help="H: inner AdamW steps between outer steps.", rich_help_panel=TRAINING)] = 500,
     seq_len: Annotated[int, typer.Option(min=8, help="Tokens (bytes) per training sequence.", rich_help_panel=TRAINING)] = 256,
     inner_lr: Annotated[float, typer.Option(help="Inner AdamW learning rate (> 0).", rich_help_panel=TRAINING)] = 1e-3,
@@ -138,7 +133,7 @@ def join(
     try:
         spec = RunSpec(
             run_id=run_id,
-            model=model.value,
+            model=model,
             dataset="(set from the data)",
             seq_len=seq_len,
             inner_steps=inner_steps,
@@ -159,7 +154,7 @@ def join(
 
     try:  # before the slow imports below (torch, hivemind), so that bad input is refused at once
         check_join_input(initial_peers=initial_peers or [], announce=announce or [], host=host, port=port,
-                         dataset=dataset)
+                         dataset=dataset, model=model, tokenizer=tokenizer)
     except InputError as e:
         raise fail(str(e))
     from diloco_swarm.dht.swarm import SwarmError, parse_initial_peers
@@ -171,6 +166,7 @@ def join(
     config = NodeConfig(
         spec=spec,
         dataset=dataset,
+        tokenizer=tokenizer,
         state_dir=state_dir,
         initial_peers=peers,
         host=host,
@@ -195,7 +191,7 @@ def join(
         slowdown=slowdown,
         fault=fault,
         debug_dump_rounds=debug_dump_rounds,
-        join_flags=_spec_flags_to_repeat(dataset=dataset, model=model.value, inner_steps=inner_steps, seq_len=seq_len,
+        join_flags=_spec_flags_to_repeat(dataset=dataset, model=model, tokenizer=tokenizer, inner_steps=inner_steps, seq_len=seq_len,
                                          inner_lr=inner_lr, outer_lr=outer_lr, outer_momentum=outer_momentum,
                                          compression=compression.value, seed=seed, sync_mode=sync_mode.value,
                                          max_dataset_bytes=max_dataset_bytes if dataset is not None else None),
@@ -224,6 +220,7 @@ def run_node(config) -> None:
     from diloco_swarm.averaging.codec import CodecError
     from diloco_swarm.data import DatasetError
     from diloco_swarm.dht.swarm import SwarmError
+    from diloco_swarm.models.registry import ModelError
     from diloco_swarm.node.checkpoint import CheckpointError
     from diloco_swarm.node.faults import node_type
     from diloco_swarm.node.runner import NodeError
@@ -234,7 +231,7 @@ def run_node(config) -> None:
 
     try:
         node_type(config.fault, config.slowdown)(config).run()
-    except (DatasetError, SwarmError, SpecMismatch, CheckpointError, NodeError, CodecError) as e:
+    except (DatasetError, SwarmError, SpecMismatch, CheckpointError, NodeError, CodecError, ModelError) as e:
         raise fail(str(e))
     except PartLost as e:  # the DHT, averager or p2pd died under the node (node/watchdog.py)
         raise fail(str(e), EXIT_PART_LOST)
@@ -264,6 +261,27 @@ def demo(
     code = run_demo(peers=peers, outer_steps=outer_steps, inner_steps=inner_steps, port=port, workdir=workdir,
                     dataset=dataset, console=err)
     raise typer.Exit(code)
+
+
+@app.command()
+def export(
+    state_dir: Annotated[Path, typer.Option(help="State dir of a node that trained (holds checkpoint.pt).")] = Path("diloco-state"),
+    out: Annotated[Path, typer.Option(help="New folder to write the Hugging Face model into (must not exist, or be empty).")] = Path("diloco-export"),
+) -> None:
+    """Write θ_global of a node's checkpoint as a Hugging Face model folder (config.json, model.safetensors,
+    tokenizer files) that transformers.AutoModelForCausalLM.from_pretrained(OUT) loads."""
+    from diloco_swarm.node.checkpoint import CheckpointError
+    from diloco_swarm.node.export import ExportError, export_model
+
+    try:
+        info = export_model(state_dir, out)
+    except (ExportError, CheckpointError) as e:
+        raise fail(str(e))
+    except OSError as e:
+        raise fail(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "))
+    err.print(f"exported {escape(printable(info['model']))} ({info['architecture']}) at outer step "
+              f"{info['outer_step']} to {escape(printable(out))}: {', '.join(info['files'])}", soft_wrap=True)
+    err.print(f"load it with: AutoModelForCausalLM.from_pretrained({escape(repr(str(out)))})", soft_wrap=True)
 
 
 def _cli_exception_types() -> tuple[type[BaseException], ...]:

@@ -98,6 +98,13 @@ def check_dataset(dataset: str | None) -> None:
     if dataset is None:
         return
     from diloco_swarm.data.files import DatasetError, list_dataset_files
+    from diloco_swarm.data.hf_source import hf_dataset_problem, is_hf_dataset
+
+    if is_hf_dataset(dataset):
+        problem = hf_dataset_problem(dataset)
+        if problem:
+            raise InputError(problem)
+        return
 
     try:
         list_dataset_files(dataset, first_only=True)
@@ -105,10 +112,22 @@ def check_dataset(dataset: str | None) -> None:
         raise InputError(str(e)) from None
 
 
+def check_model_and_tokenizer(model: str, tokenizer: str | None) -> None:
+    """:raises InputError: an unknown ``--model``, a missing path, or a Hub id while offline (same
+    messages as ``models.registry.resolve_model`` and ``data.tokenizer.load_tokenizer``)."""
+    from diloco_swarm.data.tokenizer import tokenizer_problem
+    from diloco_swarm.models.registry import model_problem
+
+    problem = model_problem(model) or (tokenizer_problem(tokenizer) if tokenizer else None)
+    if problem:
+        raise InputError(problem)
+
+
 def check_join_input(*, initial_peers: Sequence[str], announce: Sequence[str], host: str, port: int,
-                     dataset: str | None) -> None:
+                     dataset: str | None, model: str = "tiny", tokenizer: str | None = None) -> None:
     """All of the above, in the order the node itself would find the problems. :raises InputError:"""
     check_initial_peers(initial_peers)
+    check_model_and_tokenizer(model, tokenizer)
     check_dataset(dataset)
     if host_problem(host):
         raise InputError(host_problem(host))

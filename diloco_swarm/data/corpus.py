@@ -75,16 +75,17 @@ class Corpus:
         """
         _check_positive_int("seq_len", seq_len)
         need = seq_len + 1
+        unit = "bytes" if self.train.dtype == np.uint8 else "tokens"  # hf_corpus.py: token ids
         if len(self.train) < need:
             raise DatasetError(
-                f"dataset {self.description} has only {len(self.train)} training bytes but "
+                f"dataset {self.description} has only {len(self.train)} training {unit} but "
                 f"seq_len {seq_len} needs at least {need}; use more text or a smaller seq_len"
             )
         if len(self.held_out) < need:
             raise DatasetError(
-                f"dataset {self.description} has only {len(self.held_out)} held-out bytes but "
-                f"seq_len {seq_len} needs at least {need}; use more or larger files "
-                f"(the held-out part is about 1 file in {_HELD_OUT_MODULUS}, else the last file) "
+                f"dataset {self.description} has only {len(self.held_out)} held-out {unit} but "
+                f"seq_len {seq_len} needs at least {need}; use more or larger files or documents "
+                f"(the held-out part is about 1 in {_HELD_OUT_MODULUS}, else the last one) "
                 f"or a smaller seq_len"
             )
 

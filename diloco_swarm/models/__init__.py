@@ -1,5 +1,17 @@
-"""Model definitions: a byte-level GPT with named size presets."""
+"""Model definitions: a byte-level GPT with named size presets (gpt), Hugging Face causal LMs (hf), and
+``--model`` resolution (registry).
 
-from diloco_swarm.models.gpt import GPT, PRESETS, GPTConfig, build_model, num_parameters
+Names from ``gpt`` are imported on first use, so ``registry``'s cheap checks do not import torch.
+"""
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "build_model", "num_parameters"]
+_FROM_GPT = ("GPT", "GPTConfig", "PRESETS", "build_model", "num_parameters")
+
+__all__ = list(_FROM_GPT)
+
+
+def __getattr__(name: str):
+    if name in _FROM_GPT:
+        from diloco_swarm.models import gpt
+
+        return getattr(gpt, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,6 +14,7 @@ class NodeConfig:
 
     spec: RunSpec
     dataset: str | None = None  # None = the embedded Python standard library sources
+    tokenizer: str | None = None  # --tokenizer; None = the model's default (node/assets.py)
     state_dir: Path = Path("diloco-state")
     initial_peers: list[str] = field(default_factory=list)
     host: str = "0.0.0.0"

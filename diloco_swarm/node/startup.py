@@ -7,6 +7,7 @@ before the network is touched.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import replace
 from typing import Any
@@ -14,8 +15,7 @@ from typing import Any
 import torch
 
 from diloco_swarm import __version__
-from diloco_swarm.data import BatchSampler, held_out_batches, load_corpus
-from diloco_swarm.models import build_model, num_parameters
+from diloco_swarm.models import num_parameters
 from diloco_swarm.node.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, remove_stale_temp_files
 from diloco_swarm.node.errors import NodeError
 from diloco_swarm.node.outer import OuterOptimizer
@@ -57,9 +57,11 @@ class Startup:
         remove_stale_temp_files(cfg.state_dir)  # left by a write that a second Ctrl+C or a crash cut short
 
         # Everything local that can fail is checked before we touch the network.
-        self.corpus = load_corpus(cfg.dataset, max_bytes=cfg.max_dataset_bytes)
-        self.corpus.check(spec.seq_len)
-        spec = self.spec = spec.model_copy(update={"dataset": self.corpus.description})
+        from diloco_swarm.node.assets import build_run_assets  # tokenizer, data and model, and their identities
+
+        self.assets = build_run_assets(spec, dataset=cfg.dataset, tokenizer_arg=cfg.tokenizer,
+                                       max_bytes=cfg.max_dataset_bytes, log=self.status.log)
+        spec = self.spec = self.assets.spec
         checkpoint = load_checkpoint(checkpoint_path(cfg.state_dir))
         if checkpoint is not None and checkpoint.get("spec") != spec.model_dump():
             theirs = checkpoint.get("spec") or {}
@@ -69,13 +71,14 @@ class Startup:
                 "use another --state-dir, or the flags of that run"
             )
 
-        self.model = build_model(spec.model, seed=spec.seed).to(self.device)
+        self.model = self.assets.model.to(self.device)
+        self.assets.save_for_export(cfg.state_dir)
         if spec.seq_len > self.model.config.block_size:
             raise NodeError(
                 f"--seq-len {spec.seq_len} exceeds the '{spec.model}' model's context of {self.model.config.block_size}"
             )
         self.params = list(self.model.parameters())
-        self.eval_model = build_model(spec.model, seed=spec.seed).to(self.device)  # holds θ_global for evaluation
+        self.eval_model = copy.deepcopy(self.model)  # holds θ_global for evaluation
         self.eval_params = list(self.eval_model.parameters())
         self.outer = OuterOptimizer(self.params, lr=spec.outer_lr, momentum=spec.outer_momentum)
         self.sync = OuterSync(self.outer, self.params, self._run_round, overlap=spec.sync_mode == "overlap",
@@ -111,8 +114,8 @@ class Startup:
             self.dht.shutdown()
             self.client_mode, self.reachability = True, "client"
             self.dht = start_dht(initial_peers=cfg.initial_peers, client_mode=True, retry_busy_port_s=15.0, **dht_args)
-        self.sampler = BatchSampler(self.corpus.train, cfg.batch_size, spec.seq_len, seed=spec.seed, stream_id=self.peer_id)
-        self.eval_set = held_out_batches(self.corpus.held_out, cfg.batch_size, spec.seq_len, cfg.eval_batches)
+        self.sampler = self.assets.sampler(cfg.batch_size, spec.seq_len, seed=spec.seed, stream_id=self.peer_id)
+        self.eval_set = self.assets.held_out_batches(cfg.batch_size, spec.seq_len, cfg.eval_batches)
         self.averager = self._averager_type()(
             [t.clone() for t in self.outer.theta],
             self.dht,
@@ -132,7 +135,7 @@ class Startup:
         self.records.start()
         self.status.log(
             f"peer {self.peer_id} | run '{spec.run_id}' | model {spec.model} "
-            f"({num_parameters(self.model) / 1e6:.2f}M params) on {self.device} | data {self.corpus.description}"
+            f"({num_parameters(self.model) / 1e6:.2f}M params) on {self.device} | data {self.assets.description}"
         )
         if self.client_mode:  # nobody can dial a client: its addresses are useless to joiners
             self.status.log("others cannot join through this node (it is a client); give them the address of a "

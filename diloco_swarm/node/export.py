@@ -1,0 +1,189 @@
+"""``diloco-node export``: θ_global of a node's checkpoint as a Hugging Face model folder.
+
+The folder holds ``config.json``, ``model.safetensors`` (``save_pretrained``) and the run's tokenizer
+files, so ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads it. Llama presets and
+``hf:`` models export their own config (kept in ``STATE_DIR/model/`` by node/assets.py). The
+byte-level presets (tiny, small, base) export as GPT-2 (``GPT2LMHeadModel``): the nanoGPT layout maps
+onto it with its Linear weights transposed to GPT-2's Conv1D, and the exact (erf) GELU; their
+tokenizer is bytes (token id = byte value), so no tokenizer files are written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from diloco_swarm.node.assets import ASSETS_FILE, MODEL_DIR
+from diloco_swarm.node.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+
+EXPORT_INFO = "diloco-export.json"
+_GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+class ExportError(Exception):
+    """The export cannot be made; the message is one line (nothing is written)."""
+
+
+def read_global_state(state_dir: Path) -> tuple[Any, list[torch.Tensor], dict[str, Any]]:
+    """(RunSpec, θ_global as fp32 CPU tensors in parameter order, the checkpoint) of a state dir.
+
+    Raises:
+        ExportError: no state dir or no checkpoint, or a checkpoint without a valid spec or θ.
+        CheckpointError: the checkpoint is corrupt or truncated.
+    """
+    from pydantic import ValidationError
+
+    from diloco_swarm.spec import RunSpec
+
+    if not state_dir.is_dir():
+        raise ExportError(f"--state-dir {state_dir} does not exist; pass the --state-dir of a node that trained")
+    ckpt = load_checkpoint(checkpoint_path(state_dir))
+    if ckpt is None:
+        raise ExportError(f"--state-dir {state_dir} holds no checkpoint ({checkpoint_path(state_dir).name}); a node "
+                          "writes one after its first outer step")
+    try:
+        spec = RunSpec.model_validate(ckpt.get("spec"))
+        theta = ckpt["outer"]["theta"]
+        if not isinstance(theta, list) or not all(torch.is_tensor(t) for t in theta):
+            raise TypeError("θ_global is not a list of tensors")
+    except (ValidationError, KeyError, TypeError) as e:
+        raise ExportError(f"checkpoint {checkpoint_path(state_dir)} has no valid run spec or θ_global "
+                          f"({type(e).__name__}); it is not a diloco-swarm node checkpoint") from None
+    return spec, theta, ckpt
+
+
+def node_model(state_dir: Path) -> tuple[nn.Module, Any, Any]:
+    """The node's own model holding θ_global: ``(module, spec, transformers config or None)``.
+
+    ``module(x, y) -> (logits, loss)`` as in training (float32, CPU, eval mode).
+
+    Raises:
+        ExportError, CheckpointError: see :func:`read_global_state`; a model config that is missing
+            (an hf: model whose ``STATE_DIR/model/config.json`` is gone) or θ that does not fit it.
+    """
+    from diloco_swarm.models.registry import BYTE_PRESETS, LLAMA_PRESET_NAMES
+
+    spec, theta, _ = read_global_state(state_dir)
+    if spec.model in BYTE_PRESETS:
+        from diloco_swarm.models.gpt import build_model
+
+        module, config = build_model(spec.model, seed=0), None
+    else:
+        from diloco_swarm.models import hf
+
+        folder = state_dir / MODEL_DIR
+        if (folder / "config.json").is_file():
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(str(folder))
+        elif spec.model in LLAMA_PRESET_NAMES:
+            config = hf.llama_config(spec.model, spec.vocab_size)
+        else:
+            raise ExportError(f"{folder / 'config.json'} is missing: the model config of '{spec.model}' is needed; "
+                              "restart the node once with the same --model to write it again")
+        module = hf.model_from_config(config, seed=0)
+    params = list(module.parameters())
+    if len(params) != len(theta) or any(p.shape != t.shape for p, t in zip(params, theta)):
+        raise ExportError(f"θ_global in {checkpoint_path(state_dir)} ({len(theta)} tensors) does not fit model "
+                          f"'{spec.model}' ({len(params)} tensors); the model config in {state_dir / MODEL_DIR} "
+                          "belongs to another run")
+    with torch.no_grad():
+        for p, t in zip(params, theta):
+            p.copy_(t.to(torch.float32))
+    return module.eval(), spec, config
+
+
+def gpt_to_gpt2(module: nn.Module):
+    """A ``transformers.GPT2LMHeadModel`` holding a byte-level GPT's weights (see the module docstring).
+
+    Raises:
+        ExportError: the weights do not map (a GPT-2 of this transformers version lacks a parameter).
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    c = module.config
+    config = GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
+                        n_head=c.n_head, activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
+                        bos_token_id=None, eos_token_id=None)
+    gpt2 = GPT2LMHeadModel(config)
+    mapped = {}
+    for name, tensor in module.state_dict().items():
+        mapped[name] = tensor.t().contiguous() if name.endswith(_GPT2_TRANSPOSED) else tensor
+    missing, unexpected = gpt2.load_state_dict(mapped, strict=False)
+    params = {n for n, _ in gpt2.named_parameters()}
+    if unexpected or any(m in params for m in missing):
+        raise ExportError(f"the byte-level GPT does not map onto transformers' GPT-2 (missing {missing[:3]}, "
+                          f"unexpected {unexpected[:3]})")
+    return gpt2.eval()
+
+
+def export_model(state_dir: Path, out: Path) -> dict[str, Any]:
+    """Write θ_global of ``state_dir``'s checkpoint as a Hugging Face model folder ``out``.
+
+    The folder is written next to ``out`` and renamed into place, so ``out`` is complete or absent.
+
+    Returns:
+        what was exported: model identity, outer step, architecture, files written.
+
+    Raises:
+        ExportError: see :func:`node_model`; ``out`` exists and is not empty.
+        CheckpointError: a corrupt checkpoint.
+        OSError: the disk write failed (``out`` is not created).
+    """
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"--out {out} already exists and is not empty; choose a new folder (nothing was written)")
+    module, spec, config = node_model(state_dir)
+    _, _, ckpt = read_global_state(state_dir)
+    hf_model = gpt_to_gpt2(module) if config is None else module.hf
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one summary line from the CLI instead
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        hf_model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer_files = _copy_tokenizer(state_dir / MODEL_DIR, tmp)
+        info = {"model": spec.model, "tokenizer": spec.tokenizer, "vocab_size": spec.vocab_size,
+                "architecture": type(hf_model).__name__, "run_id": spec.run_id, "dataset": spec.dataset,
+                "outer_step": int(ckpt.get("outer_step", 0)), "tokens_total": int(ckpt.get("tokens_total", 0)),
+                "tokenizer_files": tokenizer_files,
+                "note": "token id = byte value (UTF-8)" if spec.tokenizer == "byte" else None}
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1))
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    info["files"] = sorted(p.name for p in out.iterdir())
+    return info
+
+
+def _copy_tokenizer(folder: Path, out: Path) -> list[str]:
+    from diloco_swarm.data.tokenizer import TOKENIZER_FILES
+
+    names = []
+    info = folder / ASSETS_FILE
+    if info.is_file():
+        try:
+            names = [n for n in json.loads(info.read_text()).get("tokenizer_files", []) if n in TOKENIZER_FILES]
+        except (ValueError, AttributeError):
+            names = []
+    names = names or [n for n in TOKENIZER_FILES if (folder / n).is_file()]
+    copied = []
+    for n in names:
+        if (folder / n).is_file():
+            shutil.copyfile(folder / n, out / n)
+            copied.append(n)
+    return copied
+
+
+__all__ = ["ExportError", "CheckpointError", "export_model", "node_model", "read_global_state", "gpt_to_gpt2"]
