@@ -16,7 +16,7 @@ Runs under trio (``trio.run``); one client per ``async with open_client()``.
 from __future__ import annotations
 
 import logging
-import math
+import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -111,11 +111,14 @@ class LightClient:
 
         start = time.perf_counter()
         with trio.move_on_after(self.call_timeout_s) as scope:
+            addrs = self.host.get_peerstore().addrs(peer_id)
             try:
-                addrs = self.host.get_peerstore().addrs(peer_id)
                 await self.host.connect(PeerInfo(peer_id, addrs))
             except Exception as e:
-                raise LightError(f"could not connect to {peer_id}: {_reason(e)}") from None
+                where = ", ".join(str(a) for a in addrs)
+                reason = _reason(e)
+                detail = "" if "unable to connect" in reason else f" ({reason})"
+                raise LightError(f"could not connect to {peer_id} at {where}{detail}") from None
         if scope.cancelled_caught:
             raise LightError(f"no answer from {peer_id} within {self.call_timeout_s:g} s")
         return time.perf_counter() - start
@@ -231,7 +234,6 @@ class LightClient:
 
         async def ask(b58: str) -> None:
             peer = candidates[b58]
-            result = found[next(iter(keys))]
             try:
                 if not self.dialable(peer):
                     raise LightError(f"no known address for {b58}")
@@ -257,7 +259,6 @@ class LightClient:
                         self.node_ids.setdefault(other_b58, node_id)
                 if on_value is not None:
                     on_value(key, f)
-            del result
 
         with trio.move_on_after(budget_s):
             while len(asked) < MAX_QUERIES:
@@ -316,6 +317,8 @@ async def open_client(call_timeout_s: float = CALL_TIMEOUT_S) -> AsyncIterator[L
     from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
     from libp2p.security.noise.transport import Transport as NoiseTransport
 
+    if not os.environ.get("LIBP2P_DEBUG"):  # libp2p logs every failed dial as an error: ours say it in one line
+        logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     key_pair = create_new_key_pair()
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     host = new_host(key_pair=key_pair, sec_opt={NOISE_PROTOCOL_ID: noise}, muxer_preference="YAMUX")
@@ -329,6 +332,3 @@ async def open_client(call_timeout_s: float = CALL_TIMEOUT_S) -> AsyncIterator[L
                 except Exception:
                     pass
 
-
-def finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -126,9 +126,6 @@ class ProbeResult:
         return {k: (round(v, 4) if isinstance(v, float) and math.isfinite(v) else v) for k, v in self.__dict__.items()}
 
 
-AVERAGER_SUFFIX = "::DiLoCoAverager.rpc_join_group"
-
-
 def run_ids_from_protocols(protocols: list[str]) -> list[str]:
     """Run ids a node serves: hivemind names its averager handlers ``{prefix}::{Class}.{method}``, and our
     prefix is the run id (client-mode nodes register no handler, so they show none)."""

@@ -83,7 +83,8 @@ def verified_dictionary(key_id: bytes, items: list[tuple[Any, bytes, float]], *,
     out = []
     for subkey, value_bytes, expiration in items:
         try:
-            if not isinstance(value_bytes, bytes):
+            if not isinstance(value_bytes, bytes) or isinstance(expiration, bool) \
+                    or not isinstance(expiration, (int, float)):
                 return None
             if not signature_ok(key_id, dumps(subkey), value_bytes, expiration):
                 logger.debug("dropping a dictionary answer: a bad signature")

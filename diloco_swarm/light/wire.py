@@ -24,7 +24,7 @@ from typing import Any
 import msgpack
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # hivemind's persistent_conn_max_msg_size default is 4 MiB; a bound, not a target
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # one answer; hivemind's own default bound (persistent_conn_max_msg_size) is 4 MiB
 
 _T = descriptor_pb2.FieldDescriptorProto
 _TYPES = {"bytes": _T.TYPE_BYTES, "string": _T.TYPE_STRING, "bool": _T.TYPE_BOOL, "double": _T.TYPE_DOUBLE,
@@ -168,7 +168,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
         return tuple(loads(data))
     if code == DICTIONARY_EXT:
         _maxsize, _latest, items = loads(data)
-        return DictionaryValue((item[0], item[1], float(item[2])) for item in items)
+        return DictionaryValue((item[0], item[1], item[2]) for item in items)
     raise WireError(f"unknown msgpack ext type {code}")  # hivemind leaves these as bytes; nothing of ours uses them
 
 
