@@ -7,7 +7,8 @@ search, arXiv-free: Maymounkov & Mazières 2002): ask the peers nearest to the k
 ones from their answers, stop when the ``beam_size`` nearest known peers have all been asked.
 
 hivemind answers carry peer ids, not addresses. A peer is dialable when its address is known: from
-the initial multiaddrs, from identify, or from the ``maddrs`` of a verified record of ours.
+the initial multiaddrs, from the ``maddrs`` of a verified record of ours, or from a go-libp2p
+Kademlia ``FIND_NODE`` asked of the peer that named it (hivemind's ``p2pd`` serves ``/ipfs/kad/1.0.0``).
 
 Every network call is bounded: ``call_timeout_s`` per dial or call, ``budget_s`` per walk.
 Runs under trio (``trio.run``); one client per ``async with open_client()``.
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 5.0  # one dial, or one call on an open connection
 BEAM_SIZE = 20  # hivemind's DHT bucket_size default
 MAX_QUERIES = 64  # peers asked in one walk at most
-IDENTIFY_PROTOCOL = "/ipfs/id/1.0.0"
+KAD_PROTOCOL = "/ipfs/kad/1.0.0"  # hivemind's p2pd serves go-libp2p's Kademlia: FIND_NODE gives addresses
 PING_HANDLER = "DHTProtocol.rpc_ping"
 FIND_HANDLER = "DHTProtocol.rpc_find"
 
@@ -135,6 +136,41 @@ class LightClient:
                 return sorted(set(found))
             await trio.sleep(0.02)
 
+    async def resolve(self, peer_id, via) -> bool:
+        """Ask connected peer ``via`` for ``peer_id``'s addresses (Kademlia FIND_NODE). :returns: whether we learned any."""
+        from libp2p.kad_dht.pb.kademlia_pb2 import Message
+        from libp2p.peer.id import ID
+
+        request = Message(type=Message.MessageType.FIND_NODE, key=peer_id.to_bytes()).SerializeToString()
+        with trio.move_on_after(self.call_timeout_s):
+            stream = None
+            try:
+                stream = await self.host.new_stream(via, [KAD_PROTOCOL])
+                await stream.write(wire.uvarint(len(request)) + request)
+                buffer = b""
+                while (parsed := wire.split_frame(buffer)) is None:
+                    chunk = await stream.read(65536)
+                    if not chunk:
+                        return False
+                    buffer += chunk
+                answer = Message.FromString(parsed[0])
+                for peer in answer.closerPeers[:64]:
+                    try:
+                        other = ID(peer.id)
+                        self.learn(other, [multiaddr.Multiaddr(a) for a in peer.addrs[:16]])
+                    except Exception:
+                        continue
+            except Exception as e:
+                logger.debug(f"FIND_NODE {peer_id} via {via}: {_reason(e)}")
+            finally:
+                if stream is not None:
+                    with trio.move_on_after(1.0):
+                        try:
+                            await stream.close()
+                        except Exception:
+                            pass
+        return self.dialable(peer_id)
+
     # -------------------------------------------------------------- calls
     async def call(self, peer_id, handler: str, request) -> bytes:
         """One unary call of hivemind handler ``handler``; returns the serialized answer.
@@ -217,6 +253,7 @@ class LightClient:
         found = {key: Found() for key in keys}
         asked: set[str] = set()
         candidates: dict[str, Any] = {}  # base58 -> ID, peers we heard of
+        named_by: dict[str, Any] = {}  # base58 -> the ID of the peer whose answer named it
         for p in start_peers:
             candidates[p.to_base58()] = p
         first = [p.to_base58() for p in start_peers]
@@ -235,7 +272,7 @@ class LightClient:
         async def ask(b58: str) -> None:
             peer = candidates[b58]
             try:
-                if not self.dialable(peer):
+                if not self.dialable(peer) and not (b58 in named_by and await self.resolve(peer, named_by[b58])):
                     raise LightError(f"no known address for {b58}")
                 await self.connect(peer)
                 results = await self.find(peer, list(ids.values()))
@@ -256,6 +293,7 @@ class LightClient:
                         continue
                     if len(node_id) <= 20 and other_b58 not in candidates and len(candidates) < 4 * MAX_QUERIES:
                         candidates[other_b58] = other
+                        named_by[other_b58] = peer
                         self.node_ids.setdefault(other_b58, node_id)
                 if on_value is not None:
                     on_value(key, f)
