@@ -123,3 +123,205 @@ def test_light_path_imports_neither_hivemind_nor_torch():
             "import libp2p;"
             "bad = [m for m in ('hivemind', 'torch', 'bitsandbytes') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=REPO)
+
+
+# ------------------------------------------------------------------------------ a live swarm
+# Real `diloco-node join` processes; one swarm serves every test below (module scope).
+STATIC = ("peer_id", "name", "version", "device", "precision", "reachability", "maddrs", "owner")
+GROWING = ("outer_step", "updated", "tokens_total", "uptime_s")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli(*args: str, timeout: float = 120, python: str = sys.executable) -> subprocess.CompletedProcess:
+    return subprocess.run([python, "-m", "diloco_swarm", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO if python == sys.executable else "/")
+
+
+def watched(args: list[str], timeout: float = 120) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run ``diloco-node ARGS``; :returns: the result and the command lines of every descendant seen meanwhile."""
+    proc = subprocess.Popen([*NODE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        seen.update(_cmdlines(process_tree(proc.pid)[1:]))
+        time.sleep(0.05)
+    out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), sorted(seen)
+
+
+def _cmdlines(pids: list[int]) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            pass
+    return out
+
+
+def status_doc(swarm, *extra: str, peers: list[str] | None = None) -> dict:
+    r = cli("status", "--initial-peers", *(peers or [swarm.a.maddr()]), "--run-id", swarm.run_id, "--json", *extra)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def by_owner(doc: dict) -> dict[str, dict]:
+    return {p["owner"]: p for p in doc["peers"]}
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    from swarmlib import Swarm
+
+    root = tmp_path_factory.mktemp("light")
+    with Swarm(root, f"light-{os.getpid()}") as s:
+        s.a = s.start("a", "--name", "alpha")
+        s.b = s.start("b", "--name", "beta", initial=s.a)
+        s.root = root
+        # both records readable through hivemind before any comparison
+        s.wait(lambda: len(status_doc(s)["peers"]) == 2, 120, "both peers' records in the DHT")
+        yield s
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_light_status_matches_hivemind_and_starts_no_daemon(swarm):
+    h1 = status_doc(swarm)
+    light, light_children = watched(["status", "--initial-peers", swarm.a.maddr(), "--run-id", swarm.run_id,
+                                     "--json", "--light"])
+    h2 = status_doc(swarm)
+    assert light.returncode == 0, light.stderr
+    doc = json.loads(light.stdout)
+    assert doc.keys() == h1.keys() and doc["summary"].keys() == h1["summary"].keys()
+    first, mine, last = by_owner(h1), by_owner(doc), by_owner(h2)
+    assert len(mine) == 2 and mine.keys() == first.keys() == last.keys()
+    for owner, row in mine.items():
+        assert row.keys() == first[owner].keys()
+        assert {k: row[k] for k in STATIC} == {k: first[owner][k] for k in STATIC}
+        # records are republished every 5 s while the nodes train: the light read sits between two hivemind reads
+        for k in GROWING:
+            assert first[owner][k] <= row[k] <= last[owner][k], (k, first[owner][k], row[k], last[owner][k])
+        for same in (first[owner], last[owner]):  # the same publication: every field equal (digests included)
+            if same["updated"] == row["updated"]:
+                assert {k: v for k, v in row.items() if k not in ("age_s", "state")} == \
+                       {k: v for k, v in same.items() if k not in ("age_s", "state")}
+    # the light path starts no process at all; the hivemind path starts p2pd (so this check can fail)
+    assert light_children == [], light_children
+    hivemind, hivemind_children = watched(["status", "--initial-peers", swarm.a.maddr(), "--run-id", swarm.run_id])
+    assert hivemind.returncode == 0 and any("p2pd" in c for c in hivemind_children), hivemind_children
+
+
+def _dashboard(swarm, name: str, *extra: str) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    log = open(swarm.root / f"{name}.log", "w")
+    proc = subprocess.Popen([*NODE, "dashboard", "--initial-peers", swarm.a.maddr(), "--run-id", swarm.run_id,
+                             "--port", str(port), "--state-dir", str(swarm.root / name), "--poll-s", "1", *extra],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    return proc, port
+
+
+def _state(port: int) -> dict:
+    return httpx.get(f"http://127.0.0.1:{port}/api/v1/state?history=0", timeout=5).json()
+
+
+def _metric_series(port: int) -> set[str]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return {f"{s.name}{sorted(s.labels.items())}" for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_light_dashboard_matches_hivemind(swarm):
+    light, light_port = _dashboard(swarm, "dash-light", "--light")
+    heavy, heavy_port = _dashboard(swarm, "dash-hivemind")
+    try:
+        def both_online():
+            try:
+                docs = _state(light_port), _state(heavy_port)
+            except httpx.HTTPError:
+                return None
+            return docs if all(d["totals"]["peers_online"] == 2 for d in docs) else None
+
+        mine, theirs = swarm.wait(both_online, 120, "both dashboards show 2 online peers")
+        assert mine.keys() == theirs.keys() and mine["config"] == theirs["config"]
+        assert mine["totals"].keys() == theirs["totals"].keys()
+        assert mine["peers"] and {p["owner"]: {k: p[k] for k in STATIC} for p in mine["peers"]} == \
+               {p["owner"]: {k: p[k] for k in STATIC} for p in theirs["peers"]}
+        assert _metric_series(light_port) == _metric_series(heavy_port)
+        assert process_tree(light.pid)[1:] == []  # no p2pd, no helper process
+    finally:
+        for proc in (light, heavy):
+            proc.terminate()
+        for proc in (light, heavy):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+    assert light.returncode == 0
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_forged_and_tampered_records_are_dropped(swarm):
+    forger = subprocess.Popen([sys.executable, str(REPO / "tests" / "light_forger.py"), swarm.run_id, swarm.a.maddr()],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=REPO, start_new_session=True)
+    try:
+        line = _first_line(forger, 120)
+        assert "/p2p/" in line, forger.stderr.read() if forger.poll() is not None else line
+        honest = by_owner(status_doc(swarm))
+        # the forger first: the light client reads its forged dictionary, and must drop it
+        doc = status_doc(swarm, "--light", peers=[line, swarm.a.maddr()])
+        names = {p["name"] for p in doc["peers"]}
+        assert "TAMPERED" not in names and "FORGED" not in names, names
+        assert by_owner(doc).keys() == honest.keys()
+        assert all(p["outer_step"] < 999_999 and p["peer_id"] != "FORGEDPEER" for p in doc["peers"])
+        # through the forger alone: honest peers are still found (their addresses come from p2pd's Kademlia)
+        alone = status_doc(swarm, "--light", peers=[line])
+        assert by_owner(alone).keys() <= honest.keys() and not {p["name"] for p in alone["peers"]} & {"TAMPERED", "FORGED"}
+    finally:
+        forger.stdin.close()
+        try:
+            forger.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(forger.pid, 9)
+
+
+def _first_line(proc: subprocess.Popen, timeout: float) -> str:
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout):
+        raise AssertionError(f"no output within {timeout} s")
+    return proc.stdout.readline().strip()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
+def test_probe(swarm):
+    live = cli("probe", swarm.a.maddr())
+    assert live.returncode == 0, live.stderr
+    assert "reachable" in live.stdout and "DHTProtocol.rpc_find" in live.stdout and "/ipfs/id/1.0.0" in live.stdout
+    assert f"run {swarm.run_id}" in live.stdout and "outer step" in live.stdout and "alpha" in live.stdout, live.stdout
+    as_json = json.loads(cli("probe", swarm.a.maddr(), "--json").stdout)
+    assert as_json["reachable"] and as_json["rtt_s"] > 0 and as_json["outer_step"] >= 0
+
+    closed = swarm.a.maddr().replace(swarm.a.maddr().split("/")[4], str(free_port()), 1)
+    start = time.monotonic()
+    r = cli("probe", closed, "--timeout", "2")
+    assert r.returncode == 1 and "unreachable" in r.stdout, (r.stdout, r.stderr)
+    assert time.monotonic() - start < 2 + 30  # the timeout, plus interpreter start on a busy 2-core machine
+
+    for bad in ("/ip4/127.0.0.1/tcp/5", "not-a-multiaddr", "/ip4/1.2.3.4/tcp/1/p2p/notapeerid"):
+        r = cli("probe", bad)
+        assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
