@@ -167,7 +167,7 @@ def _cmdlines(pids: list[int]) -> list[str]:
 
 
 def status_doc(swarm, *extra: str, peers: list[str] | None = None) -> dict:
-    r = cli("status", "--initial-peers", *(peers or [swarm.a.maddr()]), "--run-id", swarm.run_id, "--json", *extra)
+    r = cli("status", "--initial-peers", " ".join(peers or [swarm.a.maddr()]), "--run-id", swarm.run_id, "--json", *extra)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
