@@ -322,6 +322,39 @@ def test_probe(swarm):
     assert r.returncode == 1 and "unreachable" in r.stdout, (r.stdout, r.stderr)
     assert time.monotonic() - start < 2 + 30  # the timeout, plus interpreter start on a busy 2-core machine
 
+    r = cli("status", "--light", "--initial-peers", closed, "--run-id", swarm.run_id)
+    assert r.returncode == 2 and "none of the --initial-peers answered" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
     for bad in ("/ip4/127.0.0.1/tcp/5", "not-a-multiaddr", "/ip4/1.2.3.4/tcp/1/p2p/notapeerid"):
         r = cli("probe", bad)
         assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# ------------------------------------------------------------------------------ the base install
+@pytest.mark.swarm
+@pytest.mark.base_install
+@pytest.mark.timeout(900)
+def test_base_install_without_torch_or_hivemind(swarm, tmp_path):
+    """`pip install diloco-swarm` (no extras) into a fresh virtualenv, from PyPI: status works, join says what to install.
+
+    The one test that uses the network beyond 127.0.0.1 (pip, about 2 minutes with a warm cache);
+    deselect it with `-m "not base_install"`.
+    """
+    venv = tmp_path / "base"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    pip = subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", "--disable-pip-version-check", str(REPO)],
+                         capture_output=True, text=True, timeout=600)
+    assert pip.returncode == 0, pip.stderr[-3000:]
+    python = str(venv / "bin" / "python")
+    for module in ("torch", "hivemind", "bitsandbytes"):
+        r = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True, timeout=60, cwd="/")
+        assert r.returncode != 0 and "No module named" in r.stderr, (module, r.stderr)
+
+    r = cli("status", "--initial-peers", swarm.a.maddr(), "--run-id", swarm.run_id, "--json", python=python)
+    assert r.returncode == 0, r.stderr
+    assert {p["name"] for p in json.loads(r.stdout)["peers"]} == {"alpha", "beta"}
+    for command in (["join", "--run-id", "x"], ["demo"]):
+        r = cli(*command, python=python)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "pip install 'diloco-swarm[node]'" in r.stderr, r.stderr

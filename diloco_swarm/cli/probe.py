@@ -34,8 +34,10 @@ def probe(
         raise fail(run_id_problem(run_id))
     try:
         result = run_probe(maddr, run_id=run_id, timeout_s=timeout)
-    except LightError as e:
+    except LightError as e:  # a bad address: unreachable peers come back as a result
         raise fail(str(e))
+    except Exception as e:  # libp2p internals: still one line, and "not reachable"
+        raise fail(f"probe failed: {e!r}"[:300], code=UNREACHABLE)
     if json_output:
         print(json.dumps(result.as_dict(), indent=2, allow_nan=False))
     else:

@@ -105,6 +105,8 @@ def open_reader(peers: list[str], run_id: str, light: bool) -> tuple[EntriesRead
             first = [read_swarm(peers, run_id).entries]
         except LightError as e:
             raise ValueError(str(e)) from None
+        except Exception as e:  # libp2p internals: still one line
+            raise ValueError(f"the light client could not read the swarm: {e!r}"[:300]) from None
         later = entries_reader(peers, run_id)
         return (lambda: first.pop() if first else later()), (lambda: None)
     from diloco_swarm.dht.records import read_peer_entries

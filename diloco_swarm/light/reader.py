@@ -83,13 +83,26 @@ async def _read(initial_peers: list[str], run_id: str, budget_s: float, call_tim
     return SwarmView(entries, spec, sorted(records.asked), sorted(records.failed))
 
 
+def _run(async_fn, *args):
+    """``trio.run``, with a LightError raised inside libp2p's nurseries unwrapped from its exception groups."""
+    try:
+        return trio.run(async_fn, *args)
+    except BaseExceptionGroup as group:
+        match, _rest = group.split(LightError)
+        while isinstance(match, BaseExceptionGroup):
+            match = match.exceptions[0]
+        if match is not None:
+            raise match from None
+        raise
+
+
 def read_swarm(initial_peers: list[str], run_id: str, *, budget_s: float = READ_BUDGET_S,
                call_timeout_s: float = CALL_TIMEOUT_S) -> SwarmView:
     """Read the run's verified records and spec through the light client (blocking, at most ~``budget_s``).
 
     :raises LightError: a bad multiaddr, or none of ``initial_peers`` answered.
     """
-    return trio.run(_read, list(initial_peers), run_id, budget_s, call_timeout_s)
+    return _run(_read, list(initial_peers), run_id, budget_s, call_timeout_s)
 
 
 def entries_reader(initial_peers: list[str], run_id: str, *, budget_s: float = READ_BUDGET_S):
@@ -181,4 +194,4 @@ def probe(maddr: str, *, run_id: str | None = None, timeout_s: float = CALL_TIME
 
     :raises LightError: ``maddr`` is not a peer multiaddr (bad input, not an unreachable peer).
     """
-    return trio.run(_probe, maddr, run_id, timeout_s)
+    return _run(_probe, maddr, run_id, timeout_s)
