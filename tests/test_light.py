@@ -118,11 +118,26 @@ def test_signature_and_schema_rules_match_hivemind():
     assert verified_dictionary(key_id, items + [(subkey, tampered, good.expiration_time)], schema=True) is None
 
 
+LIGHT_PROCESS_CHECKS = """
+import sys
+import diloco_swarm.cli.app, diloco_swarm.light.reader, diloco_swarm.dashboard.app
+from diloco_swarm.light.client import LightError, parse_peer_maddr
+peer, addrs = parse_peer_maddr("/ip4/127.0.0.1/tcp/4001/p2p/QmcaAm1dbxe3yDbWTLWVedDN8xTYf3NXS6TCfAyaMH5dcK")
+assert peer.to_base58().startswith("Qmca") and [str(a) for a in addrs] == ["/ip4/127.0.0.1/tcp/4001"]
+for bad in ("/ip4/127.0.0.1/tcp/5", "not-a-multiaddr", "/ip4/1.2.3.4/tcp/1/p2p/notapeerid", "/p2p/" + str(peer)):
+    try:
+        parse_peer_maddr(bad)
+    except LightError:
+        continue
+    raise AssertionError(bad)
+bad = [m for m in ("hivemind", "torch", "bitsandbytes") if m in sys.modules]
+assert not bad, bad
+"""
+
+
 def test_light_path_imports_neither_hivemind_nor_torch():
-    code = ("import sys, diloco_swarm.cli.app, diloco_swarm.light.reader, diloco_swarm.dashboard.app;"
-            "import libp2p;"
-            "bad = [m for m in ('hivemind', 'torch', 'bitsandbytes') if m in sys.modules]; assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=REPO)
+    """In a process of its own: libp2p and hivemind cannot share one (see the module docstring)."""
+    subprocess.run([sys.executable, "-c", LIGHT_PROCESS_CHECKS], check=True, timeout=120, cwd=REPO)
 
 
 # ------------------------------------------------------------------------------ a live swarm
@@ -185,8 +200,12 @@ def swarm(tmp_path_factory):
         s.a = s.start("a", "--name", "alpha")
         s.b = s.start("b", "--name", "beta", initial=s.a)
         s.root = root
-        # both records readable through hivemind before any comparison
-        s.wait(lambda: len(status_doc(s)["peers"]) == 2, 120, "both peers' records in the DHT")
+        # both records readable before any comparison (the light read is the cheaper one)
+        def both_owners():
+            owners = set(by_owner(status_doc(s, "--light")))
+            return owners if len(owners) == 2 else None
+
+        s.owners = s.wait(both_owners, 120, "both peers' records in the DHT")
         yield s
 
 
@@ -196,7 +215,11 @@ def test_light_status_matches_hivemind_and_starts_no_daemon(swarm):
     h1 = status_doc(swarm)
     light, light_children = watched(["status", "--initial-peers", swarm.a.maddr(), "--run-id", swarm.run_id,
                                      "--json", "--light"])
-    h2 = status_doc(swarm)
+    # the light path starts no process at all; the hivemind path starts p2pd (so this check can fail)
+    heavy, heavy_children = watched(["status", "--initial-peers", swarm.a.maddr(), "--run-id", swarm.run_id, "--json"])
+    assert heavy.returncode == 0 and any("p2pd" in c for c in heavy_children), heavy_children
+    assert light_children == [], light_children
+    h2 = json.loads(heavy.stdout)
     assert light.returncode == 0, light.stderr
     doc = json.loads(light.stdout)
     assert doc.keys() == h1.keys() and doc["summary"].keys() == h1["summary"].keys()
@@ -212,10 +235,6 @@ def test_light_status_matches_hivemind_and_starts_no_daemon(swarm):
             if same["updated"] == row["updated"]:
                 assert {k: v for k, v in row.items() if k not in ("age_s", "state")} == \
                        {k: v for k, v in same.items() if k not in ("age_s", "state")}
-    # the light path starts no process at all; the hivemind path starts p2pd (so this check can fail)
-    assert light_children == [], light_children
-    hivemind, hivemind_children = watched(["status", "--initial-peers", swarm.a.maddr(), "--run-id", swarm.run_id])
-    assert hivemind.returncode == 0 and any("p2pd" in c for c in hivemind_children), hivemind_children
 
 
 def _dashboard(swarm, name: str, *extra: str) -> tuple[subprocess.Popen, int]:
@@ -278,16 +297,15 @@ def test_forged_and_tampered_records_are_dropped(swarm):
     try:
         line = _first_line(forger, 120)
         assert "/p2p/" in line, forger.stderr.read() if forger.poll() is not None else line
-        honest = by_owner(status_doc(swarm))
         # the forger first: the light client reads its forged dictionary, and must drop it
         doc = status_doc(swarm, "--light", peers=[line, swarm.a.maddr()])
         names = {p["name"] for p in doc["peers"]}
         assert "TAMPERED" not in names and "FORGED" not in names, names
-        assert by_owner(doc).keys() == honest.keys()
+        assert set(by_owner(doc)) == swarm.owners
         assert all(p["outer_step"] < 999_999 and p["peer_id"] != "FORGEDPEER" for p in doc["peers"])
         # through the forger alone: honest peers are still found (their addresses come from p2pd's Kademlia)
         alone = status_doc(swarm, "--light", peers=[line])
-        assert by_owner(alone).keys() <= honest.keys() and not {p["name"] for p in alone["peers"]} & {"TAMPERED", "FORGED"}
+        assert set(by_owner(alone)) <= swarm.owners and not {p["name"] for p in alone["peers"]} & {"TAMPERED", "FORGED"}
     finally:
         forger.stdin.close()
         try:
@@ -313,8 +331,6 @@ def test_probe(swarm):
     assert live.returncode == 0, live.stderr
     assert "reachable" in live.stdout and "DHTProtocol.rpc_find" in live.stdout and "/ipfs/id/1.0.0" in live.stdout
     assert f"run {swarm.run_id}" in live.stdout and "outer step" in live.stdout and "alpha" in live.stdout, live.stdout
-    as_json = json.loads(cli("probe", swarm.a.maddr(), "--json").stdout)
-    assert as_json["reachable"] and as_json["rtt_s"] > 0 and as_json["outer_step"] >= 0
 
     closed = swarm.a.maddr().replace(swarm.a.maddr().split("/")[4], str(free_port()), 1)
     start = time.monotonic()
@@ -326,8 +342,8 @@ def test_probe(swarm):
     assert r.returncode == 2 and "none of the --initial-peers answered" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
-    for bad in ("/ip4/127.0.0.1/tcp/5", "not-a-multiaddr", "/ip4/1.2.3.4/tcp/1/p2p/notapeerid"):
-        r = cli("probe", bad)
+    for bad in ("/ip4/127.0.0.1/tcp/5",):  # no /p2p/ part (parse_peer_maddr's other refusals: unit-tested)
+        r = cli("probe", bad, "--json")
         assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 

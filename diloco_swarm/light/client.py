@@ -66,9 +66,10 @@ def parse_peer_maddr(text: str):
         info = info_from_p2p_addr(multiaddr.Multiaddr(text))
     except Exception:
         raise LightError(f"'{text}' is not a peer multiaddr (expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)") from None
-    if not info.addrs:
-        raise LightError(f"'{text}' has no address before /p2p/ (expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)")
-    return info.peer_id, info.addrs
+    addrs = [a for a in info.addrs if str(a) and "tcp" in (p.name for p in a.protocols())]
+    if not addrs:  # the light client dials TCP only
+        raise LightError(f"'{text}' has no TCP address before /p2p/ (expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)")
+    return info.peer_id, addrs
 
 
 class LightClient:
