@@ -67,6 +67,30 @@ def fail(message: str, code: int = USAGE_ERROR) -> "typer.Exit":
     return typer.Exit(code)
 
 
+NODE_MODULES = ("torch", "hivemind", "bitsandbytes")  # the [node] extra (pyproject.toml)
+
+
+def node_missing() -> str | None:
+    """The first training-node module this install lacks (the ``[node]`` extra), or None; imports nothing."""
+    import importlib.util
+
+    for module in NODE_MODULES:
+        try:
+            if importlib.util.find_spec(module) is None:
+                return module
+        except (ImportError, ValueError):
+            return module
+    return None
+
+
+def require_node(command: str) -> None:
+    """Exit 2 with an install hint when ``command`` (join, demo) cannot train on this install."""
+    missing = node_missing()
+    if missing is not None:
+        raise fail(f"`diloco-node {command}` trains a model and needs the node extra ({missing} is not installed): "
+                   "pip install 'diloco-swarm[node]'  (status, dashboard and probe work without it)")
+
+
 SWARM = "Swarm"
 TRAINING = "Training (the run spec: every peer of a run must agree)"
 LOCAL = "Local"
@@ -117,6 +141,7 @@ def join(
     Prints this node's multiaddrs; paste one into `--initial-peers` on another machine to join it.
     Ctrl+C leaves cleanly (the checkpoint is written); a second Ctrl+C quits at once.
     """
+    require_node("join")
     from pydantic import ValidationError
 
     from diloco_swarm.node.config import NodeConfig
@@ -251,6 +276,7 @@ def demo(
     dataset: Annotated[Optional[str], typer.Option(help="Text file, folder or glob (default: Python's standard library).")] = None,
 ) -> None:
     """Start a local swarm of N real `diloco-node join` processes on 127.0.0.1 and watch them train."""
+    require_node("demo")
     from diloco_swarm.cli.demo import run_demo
     from diloco_swarm.cli.precheck import InputError, check_port
 
@@ -333,6 +359,8 @@ def main() -> None:
 
 from diloco_swarm.cli.status import status  # noqa: E402
 from diloco_swarm.cli.dashboard import dashboard  # noqa: E402
+from diloco_swarm.cli.probe import probe  # noqa: E402
 
 app.command()(status)
 app.command()(dashboard)
+app.command()(probe)

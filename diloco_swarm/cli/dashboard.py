@@ -12,6 +12,8 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from diloco_swarm.cli.status import LIGHT_HELP
+
 
 def _server_class():
     import uvicorn
@@ -47,26 +49,27 @@ def dashboard(
     stale_after: Annotated[float, typer.Option(min=1.0, help="A peer silent this long is shown as stale (greyed).")] = 20.0,
     gone_after: Annotated[float, typer.Option(min=1.0, help="A peer silent this long is shown as gone.")] = 60.0,
     keep_gone: Annotated[float, typer.Option(min=0.0, help="Seconds a gone peer stays listed.")] = 900.0,
+    light: Annotated[bool, typer.Option("--light", help=LIGHT_HELP)] = False,
 ) -> None:
     """Serve a live page of the swarm: totals, loss and tokens/s charts, and one row per peer.
 
     Joins the DHT as a client and reads the peers' signed records every few seconds. Also serves /api/v1/state (JSON, see docs/dashboard.md) and /metrics (Prometheus). Ctrl+C stops it; the chart history is saved in --state-dir.
     """
     from diloco_swarm.cli.app import fail
+    from diloco_swarm.cli.status import open_reader, parse_peers, reader_message, use_light
     from diloco_swarm.spec import run_id_problem
-    from diloco_swarm.cli.status import reader_message, join_as_reader
-    from diloco_swarm.dht.swarm import SwarmError, check_port_free, parse_initial_peers
+    from diloco_swarm.utils.net import port_problem
 
     err = Console(stderr=True, highlight=False)
     if run_id_problem(run_id):
         raise fail(run_id_problem(run_id))
+    light = use_light(light)
     try:
-        peers = parse_initial_peers(initial_peers)
-        if not peers:
-            raise SwarmError("--initial-peers: give the multiaddr of at least one node of the swarm")
-        check_port_free(host, port)
-    except SwarmError as e:
-        raise fail(reader_message(e))
+        peers = parse_peers(initial_peers, light)
+    except ValueError as e:
+        raise fail(str(e))
+    if port_problem(host, port):
+        raise fail(reader_message(ValueError(port_problem(host, port))))
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -76,7 +79,6 @@ def dashboard(
 
     from diloco_swarm.dashboard.app import Poller, create_app
     from diloco_swarm.dashboard.state import HISTORY_FILE, SwarmState
-    from diloco_swarm.dht.records import read_peer_entries
 
     Server = _server_class()
 
@@ -85,11 +87,11 @@ def dashboard(
     if state.load():
         err.print(Text(f"restored the chart history from {state.path}"))
     try:
-        dht = join_as_reader(peers, run_id)
-    except SwarmError as e:
-        raise fail(reader_message(e))
+        read, close = open_reader(peers, run_id, light)
+    except ValueError as e:
+        raise fail(str(e))
     try:
-        poller = Poller(state, lambda: read_peer_entries(dht, run_id), poll_s=poll_s)
+        poller = Poller(state, read, poll_s=poll_s)
         app = create_app(state, poller, refresh_s=refresh_s)
         shown = f"[{host}]" if ":" in host else host
         err.print(Text(f"dashboard of run '{run_id}' on http://{shown}:{port}/  (Ctrl+C to stop)"))
@@ -100,4 +102,4 @@ def dashboard(
             raise fail(f"could not serve on {host}:{port}; pick another --port or --host")
     finally:
         with contextlib.suppress(Exception):
-            dht.shutdown()
+            close()

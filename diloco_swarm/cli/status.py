@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable
 
 import typer
 from rich.console import Console
@@ -48,17 +48,88 @@ def reader_message(e: Exception) -> str:
             .replace(" (0 = any free port)", ""))
 
 
-def collect_rows(dht, run_id: str, *, attempts: int = 3, stale_after_s: float = STALE_AFTER_S) -> list[dict[str, Any]] | None:
+LIGHT_HELP = ("Read the swarm with the py-libp2p light client (no hivemind, no Go daemon). The default when "
+              "hivemind or torch is not installed.")
+
+
+def use_light(light: bool) -> bool:
+    """The light client when asked, or when this install lacks the training node (the [node] extra)."""
+    from diloco_swarm.cli.app import node_missing
+
+    return light or node_missing() is not None
+
+
+def parse_peers(initial_peers: list[str], light: bool) -> list[str]:
+    """Checked ``--initial-peers`` multiaddrs (several per value, separated by spaces or commas).
+
+    :raises ValueError: a bad multiaddr, or none given (its text is the one-line error).
+    """
+    if light:
+        from diloco_swarm.light.client import LightError, parse_peer_maddr
+
+        peers = [item for value in initial_peers for item in value.replace(",", " ").split()]
+        for item in peers:
+            try:
+                parse_peer_maddr(item)
+            except LightError:
+                raise ValueError(f"--initial-peers: '{item}' is not a multiaddr with a /p2p/PEER_ID part "
+                                 "(expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)") from None
+    else:
+        from diloco_swarm.dht.swarm import SwarmError, parse_initial_peers
+
+        try:
+            peers = parse_initial_peers(initial_peers)
+        except SwarmError as e:
+            raise ValueError(str(e)) from None
+    if not peers:
+        raise ValueError("--initial-peers: give the multiaddr of at least one node of the swarm")
+    return peers
+
+
+EntriesReader = Callable[[], "list | None"]  # () -> [PeerEntry], or None when the DHT could not be read
+
+
+def open_reader(peers: list[str], run_id: str, light: bool) -> tuple[EntriesReader, Callable[[], None]]:
+    """``(read, close)``: one look at the run's verified records per ``read()``.
+
+    hivemind: a client-mode DHT (a daemon process) kept open until ``close()``. Light: each read dials
+    afresh (a few ms on a LAN) and never raises; nothing to close.
+
+    :raises ValueError: no initial peer answered, or the DHT could not start (its text is the one-line error).
+    """
+    if light:
+        from diloco_swarm.light.client import LightError
+        from diloco_swarm.light.reader import entries_reader, read_swarm
+
+        try:  # the first look raises, so that an unreachable swarm is one clear error
+            first = [read_swarm(peers, run_id).entries]
+        except LightError as e:
+            raise ValueError(str(e)) from None
+        except Exception as e:  # libp2p internals: still one line
+            raise ValueError(f"the light client could not read the swarm: {e!r}"[:300]) from None
+        later = entries_reader(peers, run_id)
+        return (lambda: first.pop() if first else later()), (lambda: None)
+    from diloco_swarm.dht.records import read_peer_entries
+    from diloco_swarm.dht.swarm import SwarmError
+
+    try:
+        dht = join_as_reader(peers, run_id)
+    except SwarmError as e:
+        raise ValueError(reader_message(e)) from None
+    return (lambda: read_peer_entries(dht, run_id)), dht.shutdown
+
+
+def collect_rows(read: EntriesReader, *, attempts: int = 3, stale_after_s: float = STALE_AFTER_S) -> list[dict[str, Any]] | None:
     """Peer rows (record fields + owner, state, age_s) for one look; None when the DHT could not be read.
 
     One look has no history, so the state comes from the record's own ``updated`` time:
     online when at most ``stale_after_s`` old (by our clock), else stale.
     """
-    from diloco_swarm.dht.records import FIELDS, read_peer_entries
+    from diloco_swarm.dht.records import FIELDS
 
     entries = None
     for i in range(attempts):
-        entries = read_peer_entries(dht, run_id)
+        entries = read()
         if entries:
             break
         if i + 1 < attempts:
@@ -152,6 +223,7 @@ def status(
     run_id: Annotated[str, typer.Option(help="The run to show.")] = "diloco-demo",
     json_output: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of the table.")] = False,
     stale_after: Annotated[float, typer.Option(min=1.0, help="A peer whose record is older than this many seconds is shown as stale.")] = STALE_AFTER_S,
+    light: Annotated[bool, typer.Option("--light", help=LIGHT_HELP)] = False,
 ) -> None:
     """Show the peers of a swarm: one row per peer, and a summary line.
 
@@ -160,22 +232,20 @@ def status(
     from diloco_swarm.cli.app import fail
     from diloco_swarm.spec import run_id_problem
     from diloco_swarm.dashboard.state import summarize
-    from diloco_swarm.dht.swarm import SwarmError, parse_initial_peers
 
     out = Console(highlight=False)
     if run_id_problem(run_id):
         raise fail(run_id_problem(run_id))
+    light = use_light(light)
     try:
-        peers = parse_initial_peers(initial_peers)
-        if not peers:
-            raise SwarmError("--initial-peers: give the multiaddr of at least one node of the swarm")
-        dht = join_as_reader(peers, run_id)
-    except SwarmError as e:
-        raise fail(reader_message(e))
+        peers = parse_peers(initial_peers, light)
+        read, close = open_reader(peers, run_id, light)
+    except ValueError as e:
+        raise fail(str(e))
     try:
-        rows = collect_rows(dht, run_id, stale_after_s=stale_after)
+        rows = collect_rows(read, stale_after_s=stale_after)
     finally:
-        dht.shutdown()
+        close()
     if rows is None:
         raise fail("could not read the swarm's records from the DHT; check --initial-peers and try again")
     totals = summarize(rows)
@@ -190,4 +260,3 @@ def status(
     out.print(Text(summary_line(totals)))
     if totals["lineage"]["warning"]:
         out.print(Text("warning: " + totals["lineage"]["warning"], style="yellow"), soft_wrap=True)
-

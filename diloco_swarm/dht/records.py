@@ -24,22 +24,25 @@ import hashlib
 import logging
 import math
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Literal, Optional
 
 import pydantic.v1 as pv1
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from hivemind.dht.validation import RecordValidatorBase
-from hivemind.utils import get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
+
+# hivemind is imported inside the functions that need a DHT: the schema, the bounds and the
+# parsing below are shared with the light client (diloco_swarm/light), which runs without hivemind.
+if TYPE_CHECKING:
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.validation import RecordValidatorBase
+    from hivemind.utils.crypto import RSAPrivateKey
 
 from diloco_swarm.dht.lineages import DIGEST_PATTERN, MAX_THETA_MARKS, marks_of
 from diloco_swarm.dht.calls import dht_get, dht_store
-from diloco_swarm.dht.swarm import SwarmError
+from diloco_swarm.dht.errors import SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,11 @@ MAX_MADDRS = 8
 MAX_MADDR = 256
 
 
+# An owner subkey holds the owner's public key as ``[owner:<ssh-rsa key>]``: the same pattern as
+# hivemind's RSASignatureValidator.PUBLIC_KEY_REGEX (tests/test_light.py checks they agree).
+OWNER_KEY_REGEX = re.escape(b"[owner:_key_]").replace(b"_key_", rb"(.+?)")
+
+
 def records_key(run_id: str) -> str:
     return f"{run_id}_{RECORDS_FIELD}"
 
@@ -74,6 +82,23 @@ class ThetaMark(pv1.BaseModel):
 
     class Config:
         extra = pv1.Extra.forbid
+
+
+class OwnerSubkey(pv1.ConstrainedBytes):
+    """Bytes holding ``[owner:<public key>]``; the same check as hivemind's ``schema.BytesWithPublicKey``."""
+
+    _regex = re.compile(b".*" + OWNER_KEY_REGEX + b".*")
+
+    @classmethod
+    def __get_validators__(cls):
+        yield from super().__get_validators__()
+        yield cls._match
+
+    @classmethod
+    def _match(cls, value: bytes) -> bytes:
+        if cls._regex.match(value) is None:
+            raise ValueError("the subkey holds no [owner:...] public key")
+        return value
 
 
 class PeerRecord(pv1.BaseModel):
@@ -117,7 +142,7 @@ class PeerRecord(pv1.BaseModel):
 class PeerRecordsSchema(pv1.BaseModel):
     """The DHT key ``{run_id}_peers``: owner public key -> record (``None`` = the peer said goodbye)."""
 
-    peers: Dict[BytesWithPublicKey, Optional[PeerRecord]]
+    peers: Dict[OwnerSubkey, Optional[PeerRecord]]
 
     class Config:
         extra = pv1.Extra.forbid
@@ -136,6 +161,7 @@ _OPTIONAL_FLOAT_LIMITS = {"loss": MAX_LOSS, "eval_loss": MAX_LOSS}
 # ---------------------------------------------------------------------------------------------- keys
 def _load_private_key(path: Path) -> RSAPrivateKey:
     from cryptography.hazmat.primitives import serialization
+    from hivemind.utils.crypto import RSAPrivateKey
 
     key = RSAPrivateKey.__new__(RSAPrivateKey)
     key._private_key = serialization.load_der_private_key(path.read_bytes(), password=None)
@@ -147,6 +173,8 @@ def record_key(state_dir: Path | None) -> RSAPrivateKey:
 
     ``state_dir=None`` gives a fresh, ephemeral key (for readers such as ``status`` and the dashboard).
     """
+    from hivemind.utils.crypto import RSAPrivateKey
+
     if state_dir is None:
         return RSAPrivateKey()
     path = Path(state_dir) / KEY_FILE
@@ -174,6 +202,9 @@ def record_validators(run_id: str, state_dir: Path | None) -> list[RecordValidat
 
     Every peer of a run (and every reader) must use them, or the DHT will not strip the signatures.
     """
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.schema import SchemaValidator
+
     return [
         RSASignatureValidator(record_key(state_dir)),
         SchemaValidator(PeerRecordsSchema, allow_extra_keys=True, prefix=run_id),
@@ -181,6 +212,8 @@ def record_validators(run_id: str, state_dir: Path | None) -> list[RecordValidat
 
 
 def _signature_validator(validators: list) -> RSASignatureValidator:
+    from hivemind.dht.crypto import RSASignatureValidator
+
     for v in validators:
         if isinstance(v, RSASignatureValidator):
             return v
@@ -253,6 +286,26 @@ class PeerEntry:
     expiration: float  # DHT time
 
 
+def peer_entries(run_id: str, items: Iterable[tuple[Any, Any, float]]) -> list[PeerEntry]:
+    """Parse ``(subkey, value, expiration)`` triples of the run's records key into entries.
+
+    Shared by both readers (hivemind's DHT here, the light client in diloco_swarm/light), which
+    hand over values already verified and stripped of their signatures. At most
+    :data:`MAX_RECORDS` items are read; malformed ones are skipped.
+    """
+    entries: list[PeerEntry] = []
+    for i, (subkey, value, expiration) in enumerate(items):
+        if i >= MAX_RECORDS:
+            logger.warning(f"{records_key(run_id)} has more than {MAX_RECORDS} records; ignoring the rest")
+            break
+        try:
+            record = None if value is None else PeerRecord.parse_obj(value)
+            entries.append(PeerEntry(owner_fingerprint(subkey), record, float(expiration)))
+        except Exception as e:  # pydantic errors, wrong shapes: never the reader's problem
+            logger.debug(f"skipping a malformed peer record: {e!r}")
+    return entries
+
+
 def read_peer_entries(dht, run_id: str, *, latest: bool = True) -> list[PeerEntry] | None:
     """All subkeys of the run's records, tombstones included; invalid entries skipped.
 
@@ -263,32 +316,25 @@ def read_peer_entries(dht, run_id: str, *, latest: bool = True) -> list[PeerEntr
     except Exception as e:
         logger.debug(f"reading peer records failed: {e!r}")
         return None
-    entries: list[PeerEntry] = []
     if found is None or not isinstance(getattr(found, "value", None), dict):
-        return entries
-    for i, (subkey, item) in enumerate(found.value.items()):
-        if i >= MAX_RECORDS:
-            logger.warning(f"{records_key(run_id)} has more than {MAX_RECORDS} records; ignoring the rest")
-            break
-        try:
-            value = item.value
-            expiration = float(item.expiration_time)
-            record = None if value is None else PeerRecord.parse_obj(value)
-        except Exception as e:  # pydantic errors, wrong shapes: never the reader's problem
-            logger.debug(f"skipping a malformed peer record: {e!r}")
-            continue
-        entries.append(PeerEntry(owner_fingerprint(subkey), record, expiration))
-    return entries
+        return []
+    return peer_entries(run_id, ((subkey, getattr(item, "value", None), getattr(item, "expiration_time", None))
+                                 for subkey, item in found.value.items()))
 
 
 def read_peer_records(dht, run_id: str) -> dict[str, PeerRecord]:
-    """Live records of the run, ``{peer_id: PeerRecord}``; tombstones, malformed entries skipped, never raises.
+    """Live records of the run, ``{peer_id: PeerRecord}``; tombstones, malformed entries skipped, never raises."""
+    return live_records(read_peer_entries(dht, run_id) or [])
+
+
+def live_records(entries: Iterable[PeerEntry]) -> dict[str, PeerRecord]:
+    """``{peer_id: PeerRecord}`` of entries, tombstones skipped.
 
     ``peer_id`` is what each peer says about itself; when two owners claim the same one, the most
     recently updated record wins.
     """
     out: dict[str, PeerRecord] = {}
-    for entry in read_peer_entries(dht, run_id) or []:
+    for entry in entries:
         record = entry.record
         if record is None:
             continue
@@ -325,6 +371,12 @@ def identity_in_use(dht, run_id: str, peer_id: str, *, wait_s: float) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- publisher
+def _dht_time() -> float:
+    from hivemind.utils import get_dht_time
+
+    return get_dht_time()
+
+
 class PeerRecordPublisher:
     """Keeps this peer's signed record fresh in the DHT.
 
@@ -388,7 +440,7 @@ class PeerRecordPublisher:
                 if self._stopped.is_set():
                     return False
                 value = normalize_snapshot({**self.snapshot(), "updated": time.time()})
-                ok = self._store(value, get_dht_time() + 3 * self.interval_s)
+                ok = self._store(value, _dht_time() + 3 * self.interval_s)
                 if ok:
                     self._last_problem = ""
                 return ok
@@ -430,7 +482,7 @@ class PeerRecordPublisher:
                 if not self._lock.acquire(timeout=STORE_TIMEOUT_S + 1):
                     raise TimeoutError("the publisher is stuck in a DHT call")
                 try:
-                    self._store(None, get_dht_time() + 3 * self.interval_s)
+                    self._store(None, _dht_time() + 3 * self.interval_s)
                 finally:
                     self._lock.release()
             except Exception as e:

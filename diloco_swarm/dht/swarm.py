@@ -21,6 +21,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
+from diloco_swarm.dht.errors import SwarmError  # noqa: F401  (re-exported: callers catch it from here)
 from diloco_swarm.dht.calls import DHT_CALL_TIMEOUT_S, dht_get, dht_run, dht_store, dht_visible_maddrs
 from diloco_swarm.spec import RunSpec, SpecMismatch
 from diloco_swarm.utils import hivemind_fixes  # noqa: F401  (patches hivemind before any DHT forks)
@@ -28,9 +29,6 @@ from diloco_swarm.utils.net import host_problem, port_problem
 
 SPEC_TTL_S = 3600.0
 
-
-class SwarmError(Exception):
-    """A user-facing problem joining the swarm (bad address, busy port, no bootstrap peer)."""
 
 
 class BootstrapFailed(SwarmError):
