@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,35 +25,43 @@ from diloco_swarm.node.redial import dial_peers
 
 MAX_DONOR_TRIES = 4
 STATE_CHUNK_TIMEOUT_S = 10.0
-EVIDENCE_QUORUM = 2  # distinct signing keys whose records must claim a state before a peer adopts it
+EVIDENCE_QUORUM = 2  # distinct signing keys whose records must back a claim before a peer acts on it
 EVIDENCE_RETRY_S = 0.5  # a fresh round's output may take a moment to reach its members' records
 
 
-def evidenced_states(entries, me: str) -> dict[tuple[int, str], set[str]]:
-    """The states (outer step, θ digest) that other peers' signed records support.
+@dataclass
+class Evidence:
+    """What other peers' signed records back (the node's own record is no evidence for it).
 
-    A state counts when at least :data:`EVIDENCE_QUORUM` distinct record owners (signing keys) claim
-    it among the θ marks of their own rounds, or all of them when fewer are online. One peer's word,
-    however advanced, never makes a state canonical: the owner keys sign the records, so a single
-    hostile peer cannot speak for others (docs/architecture.md, threat model).
-
-    :param entries: ``dht.records.read_peer_entries`` output (verified, signed records).
-    :param me: our peer id: our own record is no evidence for us.
-    :returns: ``{(outer_step, digest): {peer id of a claimant, ...}}`` of the supported states.
+    ``supported_step``: the newest outer step that at least :data:`EVIDENCE_QUORUM` distinct record
+    owners (signing keys) have reached, or all of them when fewer are online: one peer claiming
+    to be far ahead does not move it. ``vouched``: the (outer step, θ digest) pairs that as many
+    owners hold in their θ marks, with the peer ids of their holders.
     """
-    from diloco_swarm.dht.lineages import marks_of
 
-    claims: dict[tuple[int, str], dict[str, str]] = {}  # state -> {owner: the peer id its record names}
-    owners = set()
-    for entry in entries or []:
-        record = entry.record
-        if record is None or record.peer_id == me:
-            continue
-        owners.add(entry.owner)
-        for step, digest in marks_of([(m.step, m.digest) for m in record.theta_marks]).items():
-            claims.setdefault((step, digest), {})[entry.owner] = record.peer_id
-    quorum = min(EVIDENCE_QUORUM, max(1, len(owners)))
-    return {state: set(who.values()) for state, who in claims.items() if len(who) >= quorum}
+    supported_step: int = 0
+    vouched: dict[tuple[int, str], set[str]] = field(default_factory=dict)
+    holders_by_step: dict[int, set[str]] = field(default_factory=dict)  # peer ids whose record is at a step
+
+    def accepts(self, step: int, digest: str) -> str | None:
+        """Why a state (outer step, θ digest) may not be adopted, or None.
+
+        It must not be ahead of the supported step, and when other peers vouch for a digest at
+        that step it must be one of them.
+        """
+        if step > self.supported_step:
+            return f"its outer step {step} is ahead of what other peers' signed records back ({self.supported_step})"
+        at_step = {d for (s, d) in self.vouched if s == step}
+        if at_step and digest not in at_step:
+            return f"other peers' signed records vouch for another θ_global at outer step {step}"
+        return None
+
+    def donors_at(self, min_step: int) -> list[str]:
+        """Peers to download a state of ``min_step`` or later from: those vouched for first."""
+        vouched = sorted({p for (s, _), peers in self.vouched.items() if s >= min_step for p in peers})
+        rest = sorted({p for s, peers in self.holders_by_step.items() if s >= min_step for p in peers} - set(vouched))
+        random.shuffle(rest)
+        return vouched + rest
 
 
 @dataclass
@@ -66,6 +74,32 @@ class DownloadedState:
     received: int  # bytes
     seconds: float
     reason: str  # join | diverged | lagging
+
+
+def gather_evidence(entries, me: str) -> Evidence:
+    """:class:`Evidence` from ``dht.records.read_peer_entries`` output (verified, signed records).
+
+    One peer's word, however advanced, never makes a state canonical: owner keys sign the records,
+    so a single hostile peer cannot speak for others (docs/architecture.md, threat model).
+    """
+    from diloco_swarm.dht.lineages import marks_of
+
+    claims: dict[tuple[int, str], dict[str, str]] = {}  # state -> {owner: the peer id its record names}
+    steps: dict[str, int] = {}  # owner -> its outer step
+    evidence = Evidence()
+    for entry in entries or []:
+        record = entry.record
+        if record is None or record.peer_id == me:
+            continue
+        steps[entry.owner] = max(steps.get(entry.owner, 0), record.outer_step)
+        evidence.holders_by_step.setdefault(record.outer_step, set()).add(record.peer_id)
+        for step, digest in marks_of([(m.step, m.digest) for m in record.theta_marks]).items():
+            claims.setdefault((step, digest), {})[entry.owner] = record.peer_id
+    quorum = min(EVIDENCE_QUORUM, max(1, len(steps)))
+    ranked = sorted(steps.values(), reverse=True)
+    evidence.supported_step = ranked[quorum - 1] if len(ranked) >= quorum else 0
+    evidence.vouched = {state: set(who.values()) for state, who in claims.items() if len(who) >= quorum}
+    return evidence
 
 
 class StateSync:
@@ -124,17 +158,17 @@ class StateSync:
                             + ("our checkpoint" if self.outer_step else "the initial weights"))
             return
         evidence = self._evidence()
-        newest = max((step for step, _ in evidence), default=0)
+        newest = evidence.supported_step
         if newest > self.outer_step and not self._sync_state(min_step=newest, reason="join", attempts=3,
-                                                             candidates=self._holders(evidence, newest)):
+                                                             candidates=evidence.donors_at(newest)):
             self.status.log(f"could not download the swarm's state (outer step {newest}); "
                             f"continuing from outer step {self.outer_step}")
 
-    def _evidence(self) -> dict[tuple[int, str], set[str]]:
-        """:func:`evidenced_states` from a fresh read of the swarm's signed records."""
+    def _evidence(self) -> Evidence:
+        """:func:`gather_evidence` from a fresh read of the swarm's signed records."""
         from diloco_swarm.dht.records import read_peer_entries
 
-        return evidenced_states(read_peer_entries(self.dht, self.spec.run_id), self.peer_id)
+        return gather_evidence(read_peer_entries(self.dht, self.spec.run_id), self.peer_id)
 
 
 
@@ -152,42 +186,34 @@ class StateSync:
                 entries[peer] = (meta["outer_step"], meta["theta_digest"])
         entries[self.peer_id] = mine
         evidence = self._evidence()
-        newest = max((step for step, _ in evidence), default=0)
-        if len(set(entries.values())) == 1:
-            if newest > mine[0] + 1:  # the swarm is ahead of this whole group
-                return self._download_state(min_step=newest, reason="lagging", candidates=self._holders(evidence, newest))
-            return None
-        donors = self.averager.donors()
-        for peer, entry in entries.items():
-            if entry[0] > mine[0] and entry not in evidence and peer != self.peer_id:
-                self._warn_unsupported(peer, entry[0])
-        # Only a state that other peers' signed records support (or our own) may win, and only one
-        # some member can donate: a client that trained alone has the newest outer step, but nobody
-        # can download it (and it is one peer's history).
-        donatable = {e for p, e in entries.items()
-                     if (p in donors and e in evidence) or (p == self.peer_id and not self.client_mode)}
-        votes = Counter(e for e in entries.values() if e in donatable or not donatable)
-        canonical = max(votes, key=lambda e: (e[0], votes[e], e[1]))
-        if mine != canonical:
-            holders = [p for p, e in entries.items() if e == canonical]
-            return self._download_state(min_step=canonical[0] + 1, reason="diverged", candidates=holders,
-                                        attempts=6)
-        if newest > mine[0] + 1:
-            return self._download_state(min_step=newest, reason="lagging", candidates=self._holders(evidence, newest))
+        newest = evidence.supported_step
+        if len(set(entries.values())) > 1:
+            for peer, entry in entries.items():
+                if peer != self.peer_id and entry[0] > newest:
+                    self._warn_unsupported(peer, entry[0])
+            # A candidate must be backed by other peers' signed records (not ahead of the supported
+            # step; the vouched digest when there is one) or be ours, and some member must be able to
+            # donate it: a client that trained alone has the newest outer step, but nobody can download it.
+            donors = self.averager.donors()
+            eligible = {e for p, e in entries.items()
+                        if (p in donors and evidence.accepts(*e) is None) or (p == self.peer_id and not self.client_mode)}
+            votes = Counter(e for e in entries.values() if e in eligible or not eligible)
+            canonical = max(votes, key=lambda e: (e[0], e in evidence.vouched, votes[e], e[1]))
+            if mine != canonical:
+                holders = [p for p, e in entries.items() if e == canonical]
+                return self._download_state(min_step=canonical[0] + 1, reason="diverged", candidates=holders,
+                                            attempts=6)
+        if newest > mine[0] + 1:  # the swarm is ahead of us (of our whole group, maybe)
+            return self._download_state(min_step=newest, reason="lagging", candidates=evidence.donors_at(newest))
         return None
 
-    @staticmethod
-    def _holders(evidence: dict[tuple[int, str], set[str]], min_step: int) -> list[str]:
-        """Peer ids whose records claim a supported state at ``min_step`` or later: the donors to ask."""
-        return sorted({p for (step, _), peers in evidence.items() if step >= min_step for p in peers})
-
     def _warn_unsupported(self, peer: str, step: int) -> None:
-        """Name, once per peer, a peer that claims a state no other peer's signed record supports."""
+        """Name, once per peer, a peer that claims an outer step other peers' signed records do not back."""
         warned = self.__dict__.setdefault("_unsupported_claims", set())
         if peer not in warned:
             warned.add(peer)
             self.status.log(f"warning: peer {peer} claims outer step {step}, which no other peer's signed record "
-                            "supports; not following it")
+                            "backs; not following it")
 
     def _download_state(self, *, min_step: int, reason: str, candidates: list[str] | None = None,
                         attempts: int = 1) -> "DownloadedState | None":
@@ -225,11 +251,9 @@ class StateSync:
                     self.status.log(f"state download from {peer} failed: {e}")
                     continue
                 problem = self._check_state(meta, tensors, min_step)
-                if problem is None and (meta["outer_step"], meta["theta_digest"]) not in evidence:
+                if problem is None and evidence.accepts(meta["outer_step"], meta["theta_digest"]) is not None:
                     evidence = self._evidence()  # the records of a fresh round may just be arriving
-                    if (meta["outer_step"], meta["theta_digest"]) not in evidence:
-                        problem = (f"its state (outer step {meta['outer_step']}) is claimed by no other peer's "
-                                   "signed record")
+                    problem = evidence.accepts(meta["outer_step"], meta["theta_digest"])
                 if problem is not None:
                     if "older than" not in problem:
                         self.status.log(f"refused the state of {peer}: {problem}")
