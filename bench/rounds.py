@@ -9,6 +9,11 @@ tensor of 1M / 10M / 50M values with int8, fp16 and fp32 through the same
 - ``all-reduce``: first peer entered → last peer left the all-reduce (load balancing + butterfly);
 - ``verify``: the last all-reduce end → the last ``average()`` return (checks, DHT digest cross-check).
 
+The baseline is hivemind's own ``DecentralizedAverager`` in fp32 (codec ``raw-fp32``: no part
+checks, no digest cross-check, ``step()`` with the same matchmaking settings), in the same run:
+the report gives our verified int8 round time ÷ that raw round time (issue 13's target: ≤ 1.3× at
+10M and 50M values, and ≤ 1 s end to end for 1M values on 2 peers).
+
 The ceiling is one TCP stream between two processes on 127.0.0.1 (``socket.sendall`` of a large
 buffer, ``recv_into`` on the other side). A round's effective throughput is the payload all peers
 sent (Σ ``bytes_sent``) divided by its all-reduce time, as a fraction of that ceiling. The all-reduce
@@ -26,13 +31,15 @@ from typing import Any
 
 from bench.common import human_bytes, human_count, md_table, median
 from bench.netprobe import drain
+from bench.swarm import RAW_FP32
 
 SIZES = {
-    "smoke": {"peers": [2], "values": [100_000], "compressions": ["int8"], "rounds": {100_000: 1},
+    "smoke": {"peers": [2], "values": [100_000], "compressions": ["int8", RAW_FP32], "rounds": {100_000: 1},
               "tcp_bytes": 8 << 20, "tcp_repeats": 1},
-    "quick": {"peers": [2, 4], "values": [1_000_000], "compressions": ["int8", "fp16", "fp32"],
+    "quick": {"peers": [2, 4], "values": [1_000_000], "compressions": ["int8", "fp16", "fp32", RAW_FP32],
               "rounds": {1_000_000: 2}, "tcp_bytes": 64 << 20, "tcp_repeats": 3},
-    "full": {"peers": [2, 4], "values": [1_000_000, 10_000_000, 50_000_000], "compressions": ["int8", "fp16", "fp32"],
+    "full": {"peers": [2, 4], "values": [1_000_000, 10_000_000, 50_000_000],
+             "compressions": ["int8", "fp16", "fp32", RAW_FP32],
              "rounds": {1_000_000: 3, 10_000_000: 3, 50_000_000: 2}, "tcp_bytes": 256 << 20, "tcp_repeats": 3},
 }
 
@@ -135,6 +142,10 @@ def run(size: str) -> dict[str, Any]:
     return {"tcp_ceiling": ceiling, "rows": rows, "matchmaking_time": 2.0}
 
 
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and v == v and v > 0
+
+
 def _s(v) -> str:
     return "–" if v is None or v != v else f"{v:.2f}"
 
@@ -156,7 +167,8 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         f"One flat fp32 tensor averaged by n peers (separate processes, 127.0.0.1), all released together by a "
         f"barrier; `matchmaking_time` {result['matchmaking_time']} s, target group size = n. Seconds are medians over "
         "the verified rounds; *matchmaking* = barrier → last peer entered the all-reduce; *all-reduce* = first peer in "
-        "→ last peer out; *verify* = the checks and the DHT digest cross-check after it (in `average()`). "
+        "→ last peer out; *verify* = the checks and the DHT digest cross-check after it (in `average()`; for "
+        "`raw-fp32`, hivemind's own `step()` returning). "
         "*Throughput* = payload sent by all peers / all-reduce time.\n",
         f"**Ceiling**: one TCP stream between two processes on 127.0.0.1, `sendall` of {human_bytes(ceil['bytes'])}: "
         f"**{ceil['median_bytes_per_s'] / 1e6:,.0f} MB/s** (median of {len(ceil['bytes_per_s'])}).\n",
@@ -181,6 +193,19 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
             lines.append(f"- {n} peers, {human_count(v)} values, int8: " + "; ".join(bits) + ".")
     if lines:
         md.append("\nSide by side (same run; above 1 = int8 faster):\n\n" + "\n".join(lines) + "\n")
+    overhead = []
+    for (n, v, c), r in sorted(by.items()):
+        base = by.get((n, v, RAW_FP32))
+        if c != "int8" or not base or not _num(base["total_s"]) or not _num(r["total_s"]):
+            continue
+        ar = (f"; all-reduce {r['allreduce_s'] / base['allreduce_s']:.2f}×, verify {_s(r['verify_s'])} s vs "
+              f"{_s(base['verify_s'])} s" if _num(r["allreduce_s"]) and _num(base["allreduce_s"]) else "")
+        overhead.append(f"- {n} peers, {human_count(v)} values: verified int8 round {r['total_s']:.2f} s ÷ raw hivemind "
+                        f"fp32 round {base['total_s']:.2f} s = **{r['total_s'] / base['total_s']:.2f}×**{ar}.")
+    if overhead:
+        md.append("\nOverhead against raw hivemind (`raw-fp32`: `DecentralizedAverager`, fp32, no verification), "
+                  "same run; issue 13 targets ≤ 1.3× at 10M and 50M values, and ≤ 1 s for 1M values on 2 peers:\n\n"
+                  + "\n".join(overhead) + "\n")
     png = _plot(rows, docs_dir)
     if png:
         md.append(f"\n![all-reduce time vs size]({png})\n")
@@ -199,7 +224,7 @@ def _plot(rows, docs_dir: Path) -> str | None:
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), sharey=True)
     peers = sorted({r["n_peers"] for r in rows})
     for ax, n in zip(axes, peers[:2]):
-        for c, style in (("int8", "o-"), ("fp16", "s--"), ("fp32", "^:")):
+        for c, style in (("int8", "o-"), ("fp16", "s--"), ("fp32", "^:"), (RAW_FP32, "x-.")):
             pts = [(r["values"], r["allreduce_s"]) for r in rows
                    if r["n_peers"] == n and r["compression"] == c and r["allreduce_s"] == r["allreduce_s"]]
             if pts:

@@ -15,6 +15,11 @@ Timing per round and peer (``time.time()``, one clock for all processes on the h
 
 The two inner timestamps come from a subclass of the averager (below) that only records them.
 
+A job with compression ``raw-fp32`` runs hivemind's own ``DecentralizedAverager`` instead (fp32,
+no part checks, no digest cross-check; ``step()`` with the same matchmaking settings): the
+baseline that ``bench round`` compares our verified rounds with. Its bytes are computed from the
+butterfly all-reduce's pattern, not counted.
+
 Run as ``python -m bench.swarm < spec.json`` to do the same in another process (for example
 inside a network namespace, ``ip netns exec NS python -m bench.swarm``); it prints one JSON line.
 """
@@ -70,6 +75,65 @@ def _make_timed_averager_class():
     return TimedAverager
 
 
+RAW_FP32 = "raw-fp32"  # a job's compression: plain hivemind, the baseline of our verified rounds
+
+
+def _make_raw_averager_class():
+    """hivemind's own ``DecentralizedAverager`` (fp32, no checks, no digest cross-check), timed the same way."""
+    from hivemind.averaging import DecentralizedAverager
+
+    class RawAverager(DecentralizedAverager):
+        def __init__(self, *args, bench_times, **kwargs):
+            self._bench_times = bench_times
+            super().__init__(*args, **kwargs)
+
+        async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+            self._bench_times[0] = time.time()
+            try:
+                return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+            finally:
+                self._bench_times[1] = time.time()
+
+    return RawAverager
+
+
+class _RawRound:
+    """What ``PseudoGradientAverager.average`` returns, for a raw hivemind round."""
+
+    def __init__(self, ok: bool, group_size: int, bytes_sent: int, reason: str = ""):
+        self.ok, self.group_size, self.reason = ok, group_size, reason
+        self.bytes_sent = self.bytes_received = bytes_sent
+
+
+def _start_raw_averager(shapes, dht, spec: dict[str, Any], prefix: str, n: int, times):
+    import torch
+
+    matchmaking_time = spec.get("matchmaking_time", 2.0)
+    return _make_raw_averager_class()(
+        [torch.zeros(s) for s in shapes], dht, start=True, prefix=prefix, target_group_size=n, min_group_size=2,
+        min_matchmaking_time=matchmaking_time, request_timeout=max(0.5, min(3.0, matchmaking_time / 3)),
+        allreduce_timeout=spec.get("allreduce_timeout", 300.0), next_chunk_timeout=spec.get("next_chunk_timeout", 60.0),
+        bench_times=times)
+
+
+def _raw_average(averager, delta, timeout: float, n: int):
+    """One raw round: copy Δ in, ``step()``, copy the average out. Bytes are computed, not counted:
+    each peer sends (n−1)/n of its fp32 vector and gets as much back (hivemind's butterfly all-reduce)."""
+    with averager.get_tensors() as tensors:
+        for t, d in zip(tensors, delta):
+            t.copy_(d)
+    try:
+        gathered = averager.step(weight=1.0, timeout=timeout, allow_retries=False)
+        ok, reason = gathered is not None, "" if gathered is not None else "no group"
+    except Exception as e:
+        gathered, ok, reason = None, False, f"{type(e).__name__}: {e}"[:200]
+    size = len(gathered) if gathered else 1
+    with averager.get_tensors() as tensors:
+        out = [t.clone() for t in tensors]
+    sent = int(2 * 4 * sum(t.numel() for t in out) * (size - 1) / size)
+    return _RawRound(ok, size, sent, reason), out
+
+
 def _deltas(shapes, seed: int, job: int, rank: int):
     import torch
 
@@ -106,17 +170,21 @@ def _peer(rank: int, spec: dict[str, Any], addr_q, barrier, res_q) -> None:
                     for acc, d in zip(true_mean, _deltas(shapes, spec.get("seed", 0), j, r)):
                         acc.add_(d, alpha=1.0 / n)
             times = mp.Array("d", 2)
-            averager = Averager(
-                [torch.zeros(s) for s in shapes],
-                dht,
-                prefix=f"{spec.get('prefix', 'bench')}-{j}",
-                compression=job["compression"],
-                target_group_size=n,
-                matchmaking_time=spec.get("matchmaking_time", 2.0),
-                allreduce_timeout=spec.get("allreduce_timeout", 300.0),
-                next_chunk_timeout=spec.get("next_chunk_timeout", 60.0),
-                bench_times=times,
-            )
+            raw = job["compression"] == RAW_FP32
+            if raw:
+                averager = _start_raw_averager(shapes, dht, spec, f"{spec.get('prefix', 'bench')}-{j}", n, times)
+            else:
+                averager = Averager(
+                    [torch.zeros(s) for s in shapes],
+                    dht,
+                    prefix=f"{spec.get('prefix', 'bench')}-{j}",
+                    compression=job["compression"],
+                    target_group_size=n,
+                    matchmaking_time=spec.get("matchmaking_time", 2.0),
+                    allreduce_timeout=spec.get("allreduce_timeout", 300.0),
+                    next_chunk_timeout=spec.get("next_chunk_timeout", 60.0),
+                    bench_times=times,
+                )
             try:
                 barrier.wait(timeout=bt)  # every averager is up
                 for r in range(job["rounds"]):
@@ -124,8 +192,11 @@ def _peer(rank: int, spec: dict[str, Any], addr_q, barrier, res_q) -> None:
                     lo0 = loopback_bytes() if rank == 0 else None
                     times[0] = times[1] = float("nan")
                     t0 = time.time()
-                    result, out = averager.average(delta, weight=1.0, metadata={"rank": rank},
-                                                   timeout=spec.get("round_timeout", 60.0))
+                    if raw:
+                        result, out = _raw_average(averager, delta, spec.get("round_timeout", 60.0), n)
+                    else:
+                        result, out = averager.average(delta, weight=1.0, metadata={"rank": rank},
+                                                       timeout=spec.get("round_timeout", 60.0))
                     t1 = time.time()
                     rel_err = None
                     if true_mean is not None and result.ok:

@@ -80,3 +80,20 @@ def test_idle_benchmark_runs_at_toy_size(tmp_path):
     result.update(elapsed_s=1.0, loadavg_end=None, provenance=provenance("python -m bench.idle"))
     text = section(result, tmp_path / "idle.smoke.json")
     assert "<!-- bench:idle size=smoke -->" in text and "| stock |" in text and "| paced |" in text
+
+
+@pytest.mark.timeout(60)
+def test_simscale_runs_on_the_nodes_grouping_rule(tmp_path):
+    from bench.simscale import section, simulate
+
+    one = simulate(32, 64, rounds=6, seed=1)  # fits under the cap: one group, one lineage every round
+    assert all(r["groups"] == 1 and r["lineages"] == 1 and r["theta_spread_participants"] < 1e-12
+               for r in one["per_round"])
+    grid = simulate(256, 16, rounds=6, seed=1)
+    for r in grid["per_round"]:
+        assert r["grid_dims"] == 2 and r["groups"] >= r["expected"] / 16 and 0 < r["expected"] <= r["online"]
+        assert r["avg_bytes_per_peer"] > 0
+    result = {"size": "smoke", "runs": [one, grid], "quorum": 0.5, "grace_s": 120.0, "inner_s": 600.0,
+              "speed_sigma": 0.5, "params": 1e8, "provenance": __import__("bench.common", fromlist=["provenance"])
+              .provenance("python -m bench.simscale")}
+    assert "<!-- /bench:simscale -->" in section(result, tmp_path / "x.json")

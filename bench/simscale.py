@@ -1,0 +1,246 @@
+"""Internet scale, simulated: 64 / 256 / 1,024 peers in one process, driven by the node's grouping rule.
+
+Run: ``python -m bench.simscale [--quick]``. No network, no model: each round calls
+:func:`diloco_swarm.averaging.grouping.plan_round` (the code the node uses, not a copy) on the
+online peers' ETAs, and a small stand-in for θ_global shows how the groups mix.
+
+The model (all in ``simulate``):
+
+- **Speeds**: lognormal (σ = ``SPEED_SIGMA``); an inner phase takes ``INNER_S / speed`` seconds.
+- **Churn**: each online peer leaves at ``churn_per_hour`` (exponential), and joiners arrive at the
+  same total rate, so the swarm keeps its size. A joiner downloads θ_global and the outer momentum
+  from a random online peer (8 bytes per parameter) and starts a fresh inner phase.
+- **A round**: the ETAs (seconds left in each peer's inner phase) go to ``plan_round`` (quorum
+  ``QUORUM``, grace window ``GRACE_S``). Expected peers average in their groups, the rest are late:
+  they keep training and fold their Δ into the next round they make (token-weighted, as issue 13
+  asks). Time then moves by the deadline plus one all-reduce at ``LINK_BYTES_PER_S``.
+- **θ_global**: a ``DIM``-dimensional vector per peer. Each peer's Δ is ``tokens · (g_t + ε_i)``
+  (a common direction ``g_t`` plus per-peer noise ``ε_i``, both N(0, I)). A group replaces each
+  member's θ by ``mean(θ_j) + token-weighted mean(Δ_j)``: the θ differences are averaged along with
+  Δ, so groups that met hold one θ afterwards.
+
+Reported per configuration: the share of online peers in each round, groups per round,
+**lineages** (distinct θ among the peers that averaged in the round), the **θ spread** (RMS
+distance of θ from the mean θ per coordinate, in units of one peer's outer-step update, among the
+round's peers and among all online peers), and bytes per peer per outer step (int8 all-reduce, 1 byte per value plus 4 per block of
+1,024, and state downloads of joiners). Writes ``bench/out/simscale[.quick].json`` and section 8 of
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import human_bytes, loadavg, md_table, provenance, provenance_md
+from diloco_swarm.averaging.grouping import plan_round
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT_DIR = ROOT / "bench" / "out"
+MAIN_DOC = ROOT / "docs" / "benchmarks.md"
+
+PARAMS = 100_000_000  # model size for the byte counts
+INNER_S = 600.0  # one inner phase of a median-speed peer (H steps), seconds
+SPEED_SIGMA = 0.5  # lognormal σ of peer speeds
+QUORUM = 0.5
+GRACE_S = 120.0
+LINK_BYTES_PER_S = 100e6 / 8  # 100 Mbit/s
+BLOCKSIZE = 1024
+DIM = 64
+SIZES = {
+    "quick": {"configs": [(64, 64), (256, 64), (1024, 64)], "rounds": 12},
+    "full": {"configs": [(64, 64), (256, 64), (1024, 64), (1024, 16)], "rounds": 40},
+}
+
+
+def int8_allreduce_bytes(group_size: int, params: int = PARAMS) -> float:
+    """Bytes one member sends (and receives) in a butterfly all-reduce of int8 parts."""
+    if group_size < 2:
+        return 0.0
+    return 2 * params * (group_size - 1) / group_size * (1 + 4 / BLOCKSIZE)
+
+
+def simulate(n_peers: int, cap: int, rounds: int, churn_per_hour: float = 0.1, seed: int = 0) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    next_id = 0
+    theta: dict[str, np.ndarray] = {}
+    speed: dict[str, float] = {}
+    remaining: dict[str, float] = {}  # seconds left in the current inner phase
+    tokens: dict[str, float] = {}  # work since the peer's last contribution (median-speed seconds)
+    delta: dict[str, np.ndarray] = {}
+
+    def join(template: np.ndarray) -> str:
+        nonlocal next_id
+        pid = f"Qm{next_id:08d}"
+        next_id += 1
+        theta[pid] = template.copy()
+        speed[pid] = float(rng.lognormal(0.0, SPEED_SIGMA))
+        remaining[pid] = INNER_S / speed[pid]
+        tokens[pid] = 0.0
+        delta[pid] = np.zeros(DIM)
+        return pid
+
+    for _ in range(n_peers):
+        join(np.zeros(DIM))
+    clock = 0.0
+    per_round = []
+    joins = leaves = 0
+    for t in range(rounds):
+        online = sorted(theta)
+        plan = plan_round(t, {p: remaining[p] for p in online}, max_group_size=cap, quorum=QUORUM, grace_s=GRACE_S)
+        largest = max((len(m) for m in plan.groups.values()), default=1)
+        duration = plan.deadline_s + int8_allreduce_bytes(largest) / LINK_BYTES_PER_S
+        # everyone trains for the round's duration (the expected peers exactly to the end of their phase)
+        g = rng.standard_normal(DIM)
+        for p in online:
+            work = min(remaining[p], duration) if p in plan.expected else duration
+            done = work * speed[p]  # tokens, in seconds of a median-speed peer
+            tokens[p] += done
+            delta[p] += done / INNER_S * (g + rng.standard_normal(DIM))
+        bytes_avg = 0.0
+        for members in plan.groups.values():
+            w = np.array([max(tokens[p], 1e-9) for p in members])
+            mean_theta = np.mean([theta[p] for p in members], axis=0)
+            mean_delta = np.average([delta[p] for p in members], axis=0, weights=w)
+            new = mean_theta + mean_delta
+            for p in members:
+                theta[p] = new  # one array: members of a group hold the same θ
+                bytes_avg += int8_allreduce_bytes(len(members))
+        for p in plan.expected:
+            tokens[p], delta[p] = 0.0, np.zeros(DIM)
+            remaining[p] = INNER_S / speed[p]
+        for p in plan.late:
+            remaining[p] = max(0.0, remaining[p] - duration)
+        participants = [p for p in plan.expected]
+        lineages = len({id(theta[p]) for p in participants})
+        # churn over this round's wall time
+        p_leave = 1.0 - math.exp(-churn_per_hour * duration / 3600.0)
+        leaving = [p for p in online if rng.random() < p_leave]
+        for p in leaving:
+            for d in (theta, speed, remaining, tokens, delta):
+                d.pop(p)
+        leaves += len(leaving)
+        n_join = int(rng.poisson(churn_per_hour * n_peers * duration / 3600.0))
+        sync_bytes = 0.0
+        for _ in range(n_join):
+            if not theta:
+                break
+            donor = list(theta)[int(rng.integers(len(theta)))]
+            join(theta[donor])
+            sync_bytes += 8 * PARAMS
+        joins += n_join
+        clock += duration
+        spread = _spread([theta[p] for p in theta])
+        spread_participants = _spread([theta[p] for p in participants if p in theta])
+        per_round.append({
+            "round": t, "time_s": round(clock, 1), "online": len(online), "expected": len(plan.expected),
+            "late": len(plan.late), "groups": len(plan.groups), "grid_dims": plan.dims, "lineages": lineages,
+            "theta_spread": spread, "theta_spread_participants": spread_participants, "avg_bytes_per_peer": bytes_avg / len(online),
+            "sync_bytes_per_peer": sync_bytes / len(online), "joins": n_join, "leaves": len(leaving),
+        })
+    return {"n_peers": n_peers, "cap": cap, "rounds": rounds, "churn_per_hour": churn_per_hour,
+            "joins": joins, "leaves": leaves, "per_round": per_round}
+
+
+def _spread(thetas: list[np.ndarray]) -> float:
+    """RMS distance from the mean θ, per coordinate (Δ coordinates are N(0, 1) per outer step)."""
+    if len(thetas) < 2:
+        return 0.0
+    a = np.array(thetas)
+    return float(np.sqrt(np.mean(np.sum((a - a.mean(axis=0)) ** 2, axis=1)) / DIM))
+
+
+def run(size: str) -> dict[str, Any]:
+    cfg = SIZES[size]
+    runs = [simulate(n, cap, cfg["rounds"]) for n, cap in cfg["configs"]]
+    return {"params": PARAMS, "inner_s": INNER_S, "speed_sigma": SPEED_SIGMA, "quorum": QUORUM, "grace_s": GRACE_S,
+            "link_bytes_per_s": LINK_BYTES_PER_S, "dim": DIM, "runs": runs}
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def section(result: dict[str, Any], source: Path) -> str:
+    size = result["size"]
+    rows, series = [], []
+    for r in result["runs"]:
+        pr = r["per_round"]
+        half = pr[len(pr) // 2:]
+        spreads = [x["theta_spread_participants"] for x in pr]
+        rows.append([
+            r["n_peers"], r["cap"], pr[0]["grid_dims"],
+            f"{100 * _mean(x['expected'] / x['online'] for x in pr):.0f}%",
+            f"{_mean(x['groups'] for x in pr):.1f}",
+            f"{max(x['lineages'] for x in half)}",
+            f"{_mean(x['theta_spread_participants'] for x in half):.3f}",
+            f"{_mean(x['theta_spread'] for x in half):.3f}",
+            human_bytes(_mean(x["avg_bytes_per_peer"] for x in pr)),
+            human_bytes(_mean(x["sync_bytes_per_peer"] for x in pr)),
+            f"{r['leaves']}/{r['joins']}",
+            f"{pr[-1]['time_s'] / 3600:.1f} h",
+        ])
+        series.append(f"- {r['n_peers']} peers, cap {r['cap']}: θ spread of the round's peers, by round: "
+                      + ", ".join(f"{s:.2f}" for s in spreads[:12]) + (" …" if len(spreads) > 12 else ""))
+    return (
+        f"<!-- bench:simscale size={size} -->\n## 8. Internet scale, simulated (`python -m bench.simscale`)\n\n"
+        + ("" if size == "full" else "> **Toy size**: run `python -m bench.simscale` for the full-size figures.\n\n")
+        + f"One process, no network: every round calls the node's own grouping rule "
+        f"(`diloco_swarm/averaging/grouping.py`: progress alignment with quorum {result['quorum']:.0%} + "
+        f"{result['grace_s']:.0f} s grace, then one group of everyone up to the cap, a rotating Moshpit grid beyond "
+        f"it) on the online peers' ETAs. Inner phase {result['inner_s']:.0f} s at median speed, speeds lognormal "
+        f"(σ {result['speed_sigma']}), churn 10% of the peers per hour (as many joiners), a "
+        f"{result['params'] / 1e6:.0f}M-parameter model for the byte counts (int8 all-reduce; a joiner downloads "
+        "8 bytes per parameter), 100 Mbit/s links for the round time. Late peers fold their Δ into the next "
+        "round they make. Groups replace θ by the mean θ of their members plus the token-weighted mean Δ. "
+        "*Lineages*: distinct θ among the peers that averaged in a round (max over the second half of the run); "
+        "*θ spread*: RMS distance of θ from the mean θ, per coordinate, in units of one peer's outer-step update "
+        "(mean over the second half), among the peers that averaged in the round, and among all online peers "
+        "(late peers hold a θ one or more steps old until their next round).\n\n"
+        + md_table(["peers", "cap", "grid dims", "peers per round", "groups per round", "lineages (max)",
+                    "θ spread (round's peers)", "θ spread (all online)", "all-reduce bytes/peer/step", "state-sync bytes/peer/step", "left/joined",
+                    "simulated time"], rows)
+        + "\n" + "\n".join(series) + "\n\n" + provenance_md(result, source) + "<!-- /bench:simscale -->\n")
+
+
+def upsert_section(result: dict[str, Any], source: Path) -> None:
+    text = MAIN_DOC.read_text() if MAIN_DOC.exists() else ""
+    m = re.search(r"<!-- bench:simscale size=(\w+) -->\n.*?<!-- /bench:simscale -->\n", text, re.S)
+    if m and m[1] == "full" and result["size"] != "full":
+        print(f"kept the full-size simscale section of {MAIN_DOC}", file=sys.stderr)
+        return
+    new = section(result, source)
+    MAIN_DOC.write_text(text[:m.start()] + new + text[m.end():] if m else text.rstrip("\n") + "\n\n" + new)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.simscale", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="3 configurations, 12 rounds each")
+    ap.add_argument("--no-doc", action="store_true", help="only write the JSON")
+    ap.add_argument("--out-dir", type=Path, default=OUT_DIR, help="raw JSON results (default: bench/out)")
+    args = ap.parse_args(argv)
+    size = "quick" if args.quick else "full"
+    prov = provenance("python -m bench.simscale" + (" --quick" if args.quick else ""))
+    t0 = time.perf_counter()
+    result = {"name": "simscale", "size": size, **run(size)}
+    result.update(elapsed_s=round(time.perf_counter() - t0, 1), loadavg_end=loadavg(), provenance=prov)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / ("simscale.json" if size == "full" else f"simscale.{size}.json")
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(section(result, path))
+    if not args.no_doc:
+        upsert_section(result, path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Who averages with whom in an outer step: progress alignment, then a rotating Moshpit grid.
+
+A pure function of the round number, the expected peers and their ETAs (no I/O, no hivemind
+import), so the node and ``bench/simscale.py`` run the very same rule.
+
+The rule, for round ``t`` (the outer step the peers are finishing):
+
+1. **Progress alignment** (Decoupled DiLoCo's minimum quorum + grace window): each peer publishes
+   its ETA, the seconds until its inner phase ends. The round waits for the ``quorum`` share of the
+   peers (by ETA order, at least one) plus ``grace_s``: ``deadline = ETA of the ceil(quorum·n)-th
+   peer + grace_s``. Peers with ``ETA ≤ deadline`` are *expected*; the others are *late*: they
+   fold their Δ into the next round (token-weighted) instead of forming a group of their own.
+2. **Everyone, when the swarm fits**: ``n_expected ≤ max_group_size`` gives one group of all
+   expected peers (key ``"r{t}:all"``).
+3. **A rotating grid beyond the cap** (Moshpit SGD, Ryabinin et al., arXiv 2103.03239): the
+   expected peers, ranked by sha256 of their peer id, sit on a ``d``-dimensional grid of side
+   ``m`` (``d`` the smallest with ``max_group_size**d ≥ n``, ``m`` the smallest with ``m**d ≥ n``,
+   so ``m ≤ max_group_size``); rank ``r`` has the base-``m`` digits of ``r`` as coordinates. In
+   round ``t`` the peers are ordered line by line along dimension ``k = t mod d`` (a line: the
+   peers whose coordinates agree everywhere but at ``k``) and cut into ``ceil(n / max_group_size)``
+   consecutive groups whose sizes differ by at most one. When the grid is full and its side is the
+   cap, the groups are exactly the lines, and after ``d`` consecutive rounds every peer holds the
+   exact global average (Moshpit's exact-averaging setting); on a partial grid the cut keeps the
+   groups balanced (no peer left alone by an empty line), and ``d`` rounds still connect every
+   peer. The rank hash is fixed, so the grid changes only when the expected peers do.
+
+    plan = plan_round(t, {"QmA": 12.0, "QmB": 14.5, ...}, max_group_size=64, grace_s=10.0)
+    plan.groups          # {key: (peer ids, sorted)}
+    plan.group_of("QmA") # (key, members); a late peer gets ("r{t}:late", (itself,))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Mapping
+
+DEFAULT_MAX_GROUP_SIZE = 64
+DEFAULT_QUORUM = 0.5
+DEFAULT_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """The groups of one round. Times are seconds from the moment the ETAs were read."""
+
+    round_no: int
+    deadline_s: float  # expected peers finish by then (inf when no peer is expected)
+    expected: tuple[str, ...]  # sorted
+    late: tuple[str, ...]  # sorted: they fold their Δ into the next round
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> members (sorted)
+    dims: int = 1  # grid dimensions (1 = everyone in one group)
+    side: int = 0  # grid side
+
+    def group_of(self, peer_id: str) -> tuple[str, tuple[str, ...]]:
+        """``(group key, members)`` of ``peer_id``; a late or unknown peer gets ``("r{t}:late", (peer_id,))``."""
+        for key, members in self.groups.items():
+            if peer_id in members:
+                return key, members
+        return f"r{self.round_no}:late", (peer_id,)
+
+
+@lru_cache(maxsize=1 << 16)
+def _rank_key(peer_id: str) -> bytes:
+    return hashlib.sha256(peer_id.encode("utf-8", "surrogatepass")).digest()
+
+
+def _grid(n: int, cap: int) -> tuple[int, int]:
+    """(dims, side): the fewest dims with cap**dims ≥ n, then the smallest side with side**dims ≥ n."""
+    dims = 1
+    while cap ** dims < n:
+        dims += 1
+    side = max(2, math.ceil(n ** (1.0 / dims)))
+    while side > 2 and (side - 1) ** dims >= n:  # float roots can overshoot by one
+        side -= 1
+    while side ** dims < n:
+        side += 1
+    return dims, side
+
+
+def plan_round(
+    round_no: int,
+    etas: Mapping[str, float],
+    *,
+    max_group_size: int = DEFAULT_MAX_GROUP_SIZE,
+    quorum: float = DEFAULT_QUORUM,
+    grace_s: float = DEFAULT_GRACE_S,
+) -> RoundPlan:
+    """Groups for round ``round_no`` of the peers in ``etas`` (see the module docstring).
+
+    :param round_no: the outer step being averaged (≥ 0); it rotates the grid dimension.
+    :param etas: ``{peer id: seconds until its inner phase ends}`` (≤ 0: done already); NaN or
+        negative-infinite ETAs count as 0, ``+inf`` as "not coming this round".
+    :param max_group_size: the most peers in one group (≥ 2).
+    :param quorum: share of peers (by ETA order) the round waits for before the grace window, in (0, 1].
+    :param grace_s: seconds after the quorum's ETA that a peer may still arrive (≥ 0).
+    :raises ValueError: a bad ``round_no``, ``max_group_size``, ``quorum`` or ``grace_s``.
+    """
+    if round_no < 0:
+        raise ValueError(f"round_no must be ≥ 0, got {round_no}")
+    if max_group_size < 2:
+        raise ValueError(f"max_group_size must be ≥ 2, got {max_group_size}")
+    if not 0.0 < quorum <= 1.0:
+        raise ValueError(f"quorum must be in (0, 1], got {quorum}")
+    if not grace_s >= 0.0:
+        raise ValueError(f"grace_s must be ≥ 0, got {grace_s}")
+    clean = {str(p): (0.0 if e != e or e < 0 else float(e)) for p, e in etas.items()}
+    coming = sorted((e, p) for p, e in clean.items() if e != math.inf)
+    if not coming:
+        return RoundPlan(round_no, math.inf, (), tuple(sorted(clean)))
+    q = min(len(coming), max(1, math.ceil(quorum * len(coming))))
+    deadline = coming[q - 1][0] + grace_s
+    expected = sorted(p for e, p in coming if e <= deadline)
+    late = tuple(sorted(p for p in clean if clean[p] > deadline))
+    n = len(expected)
+    if n <= max_group_size:
+        return RoundPlan(round_no, deadline, tuple(expected), late, {f"r{round_no}:all": tuple(expected)})
+    dims, side = _grid(n, max_group_size)
+    k = round_no % dims
+    ranked = sorted(expected, key=_rank_key)
+
+    def line_order(r: int) -> tuple[int, ...]:
+        digits = [(r // side ** i) % side for i in range(dims)]
+        return tuple(digits[:k] + digits[k + 1:]) + (digits[k],)
+
+    order = [ranked[r] for r in sorted(range(n), key=line_order)]
+    n_groups = math.ceil(n / max_group_size)
+    groups: dict[str, tuple[str, ...]] = {}
+    start = 0
+    for g in range(n_groups):  # balanced: sizes differ by at most one
+        size = n // n_groups + (1 if g < n % n_groups else 0)
+        groups[f"r{round_no}:d{k}:g{g}"] = tuple(sorted(order[start:start + size]))
+        start += size
+    return RoundPlan(round_no, deadline, tuple(expected), late, groups, dims, side)
+
+
+def group_for(
+    round_no: int,
+    peer_id: str,
+    etas: Mapping[str, float],
+    **kwargs,
+) -> tuple[str, tuple[str, ...]]:
+    """``(group key, expected members)`` of ``peer_id`` in round ``round_no``: :func:`plan_round`'s
+    answer for one peer (``etas`` must include ``peer_id``; keyword arguments as there)."""
+    return plan_round(round_no, etas, **kwargs).group_of(peer_id)

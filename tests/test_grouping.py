@@ -1,0 +1,108 @@
+"""The grouping rule (diloco_swarm.averaging.grouping): progress alignment and the rotating Moshpit grid."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from diloco_swarm.averaging.grouping import group_for, plan_round
+
+
+def peers(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [f"Qm{rng.getrandbits(64):016x}" for _ in range(n)]
+
+
+def check_partition(plan, cap: int) -> None:
+    seen = list(itertools.chain.from_iterable(plan.groups.values()))
+    assert sorted(seen) == list(plan.expected) and len(seen) == len(set(seen))
+    assert all(1 <= len(m) <= cap for m in plan.groups.values())
+
+
+def test_everyone_in_one_group_when_the_swarm_fits_under_the_cap():
+    ids = peers(6)
+    plan = plan_round(3, {p: 1.0 + i for i, p in enumerate(ids)}, max_group_size=64, grace_s=60.0)
+    assert plan.groups == {"r3:all": tuple(sorted(ids))} and plan.late == ()
+    for p in ids:
+        assert group_for(3, p, {q: 1.0 for q in ids}) == ("r3:all", tuple(sorted(ids)))
+
+
+def test_a_slower_peer_within_the_grace_window_is_expected_and_a_much_slower_one_is_late():
+    etas = {"QmA": 10.0, "QmB": 10.5, "QmC": 11.0, "QmD": 13.0, "QmE": 200.0, "QmF": math.inf}
+    plan = plan_round(0, etas, quorum=0.5, grace_s=5.0)  # the quorum (3 of 6) is in at 11 s: deadline 16 s
+    assert plan.deadline_s == 16.0
+    assert plan.expected == ("QmA", "QmB", "QmC", "QmD") and plan.late == ("QmE", "QmF")
+    assert plan.group_of("QmE") == ("r0:late", ("QmE",))
+    # a 30% slower peer (13 s vs 10 s) is in the round with a 5 s grace window
+    assert "QmD" in plan.group_of("QmA")[1]
+    # odd inputs: NaN and negative ETAs count as "done"; nobody coming gives no group
+    assert plan_round(0, {"QmA": float("nan"), "QmB": -3.0}).expected == ("QmA", "QmB")
+    empty = plan_round(0, {"QmA": math.inf})
+    assert empty.groups == {} and empty.late == ("QmA",) and empty.deadline_s == math.inf
+
+
+@pytest.mark.parametrize("n,cap", [(256, 16), (65, 64), (1024, 64), (1000, 10), (300, 4)])
+def test_the_grid_partitions_the_peers_within_the_cap_and_mixes_everyone_in_dims_rounds(n, cap):
+    ids = peers(n, seed=n)
+    etas = {p: 0.0 for p in ids}
+    first = plan_round(0, etas, max_group_size=cap)
+    dims = first.dims
+    assert dims >= 2 and first.side <= cap
+    # union of the groups over `dims` consecutive rounds connects every peer (information reaches all)
+    parent = {p: p for p in ids}
+
+    def find(p):
+        while parent[p] != p:
+            parent[p] = parent[parent[p]]
+            p = parent[p]
+        return p
+
+    for t in range(5, 5 + dims):
+        plan = plan_round(t, etas, max_group_size=cap)
+        check_partition(plan, cap)
+        assert sum(len(m) == 1 for m in plan.groups.values()) <= 1  # at most one peer averages alone
+        for members in plan.groups.values():
+            for p in members[1:]:
+                parent[find(p)] = find(members[0])
+    assert len({find(p) for p in ids}) == 1
+    # groups change between rounds: a peer does not keep its group
+    a, b = plan_round(0, etas, max_group_size=cap), plan_round(1, etas, max_group_size=cap)
+    assert a.group_of(ids[0])[1] != b.group_of(ids[0])[1]
+
+
+def test_a_full_grid_gives_the_exact_global_average_after_dims_rounds():
+    # Moshpit SGD's exact-averaging setting (arXiv 2103.03239): 8 x 8 grid, groups of 8
+    ids = peers(64, seed=7)
+    rng = random.Random(1)
+    value = {p: rng.uniform(-1, 1) for p in ids}
+    mean = sum(value.values()) / len(value)
+    etas = {p: 0.0 for p in ids}
+    for t in range(2):
+        plan = plan_round(t, etas, max_group_size=8)
+        assert plan.dims == 2 and plan.side == 8 and all(len(m) == 8 for m in plan.groups.values())
+        for members in plan.groups.values():
+            avg = sum(value[p] for p in members) / len(members)
+            for p in members:
+                value[p] = avg
+    assert max(abs(v - mean) for v in value.values()) < 1e-12
+
+
+def test_every_peer_computes_the_same_groups():
+    ids = peers(200, seed=3)
+    etas = {p: random.Random(p).uniform(0, 20) for p in ids}
+    plan = plan_round(9, etas, max_group_size=16, grace_s=3.0)
+    for p in plan.expected:
+        key, members = group_for(9, p, dict(reversed(list(etas.items()))), max_group_size=16, grace_s=3.0)
+        assert plan.groups[key] == members and p in members
+
+
+def test_bad_parameters_raise():
+    for kwargs in ({"max_group_size": 1}, {"quorum": 0.0}, {"quorum": 1.5}, {"grace_s": -1.0},
+                   {"grace_s": float("nan")}):
+        with pytest.raises(ValueError):
+            plan_round(0, {"QmA": 1.0}, **kwargs)
+    with pytest.raises(ValueError):
+        plan_round(-1, {"QmA": 1.0})
