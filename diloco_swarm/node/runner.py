@@ -322,20 +322,24 @@ class Node(Startup, StateSync):
         hivemind's default (now + ``--matchmaking-time``).
 
         Peers publish when they expect to hand off their phase (``phase_eta`` in their records).
-        The round waits for those expected within the grace window (one phase of ours, at most half
-        the averaging window), plus a little slack; later ones are late and meet the next round.
-        This is the minimum-quorum-plus-grace rule of Decoupled DiLoCo (arXiv 2604.21428), and how
-        hivemind's ``ProgressTracker`` aligns its collaborative optimizer's epochs.
+        ``averaging/grouping.py`` (Decoupled DiLoCo's minimum quorum plus a grace window, arXiv
+        2604.21428; hivemind's ``ProgressTracker`` aligns its epochs the same way) decides whom the
+        round waits for: the round begins when the last of them has handed off, plus a little slack.
+        The grace window is half a phase of ours, within [--matchmaking-time, half the averaging window].
         """
+        from diloco_swarm.averaging.grouping import plan_round
         from diloco_swarm.dht.records import read_peer_records
 
         now = time.time()
-        grace = min(self.cfg.averaging_window / 2, max(self.cfg.matchmaking_time, handoff.inner_s))
-        etas = [r.phase_eta for p, r in read_peer_records(self.dht, self.spec.run_id).items()
-                if p != self.peer_id and now < r.phase_eta <= now + grace]
+        etas = {p: max(0.0, r.phase_eta - now) for p, r in read_peer_records(self.dht, self.spec.run_id).items()
+                if p != self.peer_id and r.phase_eta > 0}
         if not etas:
             return None
-        return max(etas) + ALIGN_SLACK_S
+        etas[self.peer_id] = 0.0
+        grace = min(self.cfg.averaging_window / 2, max(self.cfg.matchmaking_time, handoff.inner_s / 2))
+        plan = plan_round(handoff.outer_step, etas, max_group_size=self.cfg.group_size, grace_s=grace)
+        last = max((etas[p] for p in plan.expected), default=0.0)
+        return now + last + ALIGN_SLACK_S if last > 0 else None
 
     def _public_peer_online(self) -> bool:
         """Whether a group can form for us: always for a full peer; a client needs a public peer."""
