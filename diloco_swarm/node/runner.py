@@ -6,7 +6,7 @@
                   θ_local ← OuterStep(θ_global, Δ_t)   (overlap: our Δ stands in for the average)
         ... the next inner phase runs while the group averages Δ_t (int8, verified) ...
         apply:    θ_global ← OuterStep(θ_global, Δ̄_t); θ_local moves along (node/outer_sync.py)
-                  checkpoint (housekeeping thread), evaluation, metrics, peer record
+                  checkpoint (its own thread), evaluation, metrics, peer record (housekeeping thread)
 
 ``--sync-mode blocking`` waits for each round instead. Start-up lives in node/startup.py, state
 sync in node/statesync.py, the counters behind every report in node/stats.py.
