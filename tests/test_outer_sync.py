@@ -200,3 +200,20 @@ def test_the_cli_knows_every_fault():
     from diloco_swarm.node.faults import FAULTS
 
     assert FAULT_NAMES == ("", *FAULTS)
+
+
+def test_faulty_averagers_speak_the_honest_protocol():
+    """hivemind names RPC protocols after the servicer class: a faulty subclass must keep the name,
+    or honest peers would not even hear it (and the fault tests would test nothing)."""
+    from pathlib import Path
+
+    from diloco_swarm.averaging.averager import PseudoGradientAverager
+    from diloco_swarm.node import faults
+
+    honest = PseudoGradientAverager._get_handle_name("run", "rpc_join_group")
+    for make in (faults._nonfinite_scales_averager, faults._dropping_averager,
+                 lambda: faults._stalling_averager(Path("/nonexistent")),
+                 lambda: faults._withholding_averager(Path("/nonexistent"))):
+        cls = make()
+        assert issubclass(cls, PseudoGradientAverager) and cls is not PseudoGradientAverager
+        assert cls._get_handle_name("run", "rpc_join_group") == honest

@@ -112,6 +112,13 @@ class StallingNode(Node):
 
 
 # The averager classes import hivemind: build them on first use, so that importing this module stays light.
+def _on_the_wire_as(cls: type, base: type) -> type:
+    """Give a faulty averager its base's name: hivemind names every RPC protocol after the servicer
+    class (``{prefix}::{cls.__name__}.rpc_...``), and honest peers only speak to that name."""
+    cls.__name__ = cls.__qualname__ = base.__name__
+    return cls
+
+
 def _nonfinite_scales_averager() -> type:
     from diloco_swarm.averaging import codec
     from diloco_swarm.averaging.averager import COMPRESSIONS, PseudoGradientAverager
@@ -129,7 +136,7 @@ def _nonfinite_scales_averager() -> type:
     class NonFiniteScalesAverager(PseudoGradientAverager):
         compressions = {**COMPRESSIONS, "int8": NonFiniteScalesCodec}
 
-    return NonFiniteScalesAverager
+    return _on_the_wire_as(NonFiniteScalesAverager, PseudoGradientAverager)
 
 
 def _stalling_averager(marker: Path) -> type:
@@ -149,7 +156,7 @@ def _stalling_averager(marker: Path) -> type:
     class StallingAverager(PseudoGradientAverager):
         allreduce_runner_type = StallingAllReduceRunner
 
-    return StallingAverager
+    return _on_the_wire_as(StallingAverager, PseudoGradientAverager)
 
 
 def _dropping_averager() -> type:
@@ -163,7 +170,7 @@ def _dropping_averager() -> type:
     class DroppingAverager(PseudoGradientAverager):
         allreduce_runner_type = DroppingAllReduceRunner
 
-    return DroppingAverager
+    return _on_the_wire_as(DroppingAverager, PseudoGradientAverager)
 
 
 def _withholding_averager(marker: Path) -> type:
@@ -177,4 +184,4 @@ def _withholding_averager(marker: Path) -> type:
             (stop or threading.Event()).wait(WITHHOLD_DIGEST_S)
             return super()._cross_check(stats, result, digest_wait, stop)
 
-    return WithholdingAverager
+    return _on_the_wire_as(WithholdingAverager, PseudoGradientAverager)
