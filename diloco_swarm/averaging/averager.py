@@ -53,7 +53,9 @@ class _QuietExpectedFailures(logging.Filter):
 logging.getLogger("hivemind.averaging.averager").addFilter(_QuietExpectedFailures())
 
 _STILL_LOOKING = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
-AVOID_REFUSER_S = 600.0  # a reducer that refused our valid part: avoided this long
+AVOID_AFTER_REFUSALS = 2  # a reducer that refused our valid part this many times within AVOID_MEMORY_S ...
+AVOID_MEMORY_S = 600.0
+AVOID_REFUSER_S = 300.0  # ... is avoided this long (one refusal can be an honest peer's bound at a bad moment)
 
 AVERAGER_START_TIMEOUT_S = 120.0  # fork, replicate the DHT's libp2p client, register handlers; a busy machine
 FAILED_MARK = "failed"  # published under the round key by a member whose round was partial
@@ -154,6 +156,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self._state_provider = state_provider
         self._banned_peers: set[str] = set()  # lives in the averager process
         self._avoided_peers: dict[str, float] = {}  # peer id -> time.monotonic() until which we avoid it
+        self._refusals: dict[str, list[float]] = {}  # peer id -> when it refused our valid part (monotonic)
         self._reachability = Responder()  # answers dial-back checks (public peers only)
         # hivemind's run_in_background() sets SIGINT to SIG_IGN in *our* process (meaning the
         # child); keep the child's SIG_IGN but give the caller its Ctrl+C handler back.
@@ -247,7 +250,11 @@ class PseudoGradientAverager(DecentralizedAverager):
                 # Our part was valid (we are honest): that reducer refuses honest members. A reducer
                 # that timed out is not avoided: under load an honest one does too, and a crashed one is gone.
                 if REFUSED_OUR_PART in reason:
-                    self._avoid(peer, AVOID_REFUSER_S, "it refused our valid part")
+                    now = time.monotonic()
+                    recent = [t for t in self._refusals.get(peer, []) if now - t < AVOID_MEMORY_S] + [now]
+                    self._refusals[peer] = recent
+                    if len(recent) >= AVOID_AFTER_REFUSALS:
+                        self._avoid(peer, AVOID_REFUSER_S, f"it refused our valid part {len(recent)} times")
         return {"gathered": gathered, "stats": dataclasses.asdict(stats)}
 
     def _avoid(self, peer: str, seconds: float, why: str) -> None:

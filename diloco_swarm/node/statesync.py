@@ -76,8 +76,9 @@ class DownloadedState:
     reason: str  # join | diverged | lagging
 
 
-def gather_evidence(entries, me: str) -> Evidence:
-    """:class:`Evidence` from ``dht.records.read_peer_entries`` output (verified, signed records).
+def gather_evidence(entries, me: str, my_step: int = 0) -> Evidence:
+    """:class:`Evidence` from ``dht.records.read_peer_entries`` output (verified, signed records),
+    seen by peer ``me`` at outer step ``my_step`` (our own step backs claims up to it).
 
     One peer's word, however advanced, never makes a state canonical: owner keys sign the records,
     so a single hostile peer cannot speak for others (docs/architecture.md, threat model).
@@ -97,7 +98,9 @@ def gather_evidence(entries, me: str) -> Evidence:
             claims.setdefault((step, digest), {})[entry.owner] = record.peer_id
     quorum = min(EVIDENCE_QUORUM, max(1, len(steps)))
     ranked = sorted(steps.values(), reverse=True)
-    evidence.supported_step = ranked[quorum - 1] if len(ranked) >= quorum else 0
+    # a step that we reached ourselves backs a peer's claim up to it: we trust our own state
+    evidence.supported_step = max(ranked[quorum - 1] if len(ranked) >= quorum else 0,
+                                  min(my_step, ranked[0]) if ranked else 0)
     evidence.vouched = {state: set(who.values()) for state, who in claims.items() if len(who) >= quorum}
     return evidence
 
@@ -168,7 +171,7 @@ class StateSync:
         """:func:`gather_evidence` from a fresh read of the swarm's signed records."""
         from diloco_swarm.dht.records import read_peer_entries
 
-        return gather_evidence(read_peer_entries(self.dht, self.spec.run_id), self.peer_id)
+        return gather_evidence(read_peer_entries(self.dht, self.spec.run_id), self.peer_id, self.outer_step)
 
 
 
