@@ -16,7 +16,7 @@ from bench.cli import main
 
 
 @pytest.mark.swarm
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)  # every benchmark at toy size, several start real nodes (~4-8 min on 2 busy cores)
 def test_every_benchmark_runs_at_toy_size(tmp_path):
     out, doc = tmp_path / "out", tmp_path / "docs" / "benchmarks.md"
     rc = main(["all", "--size", "smoke", "--out-dir", str(out), "--doc", str(doc)])
