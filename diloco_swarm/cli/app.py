@@ -110,6 +110,9 @@ def join(
     Prints this node's multiaddrs; paste one into `--initial-peers` on another machine to join it.
     Ctrl+C leaves cleanly (the checkpoint is written); a second Ctrl+C quits at once.
     """
+    from diloco_swarm.node.signals import catch_early
+
+    catch_early()  # a stop signal while torch and hivemind load is kept for the node, not lost
     from pydantic import ValidationError
 
     from diloco_swarm.node.config import NodeConfig
