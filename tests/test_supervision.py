@@ -9,12 +9,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
-import traceback
 
 import pytest
 
@@ -26,49 +26,38 @@ from diloco_swarm.node.watchdog import Watchdog, children_of, hivemind_sockets, 
 
 
 def isolated(test):
-    """Run ``test(dht, tmp_path)`` in a forked child with its own DHT.
+    """Run ``test(dht, tmp_path)`` in a fresh interpreter (pytest on this one test) with its own DHT.
 
     A SIGKILLed hivemind child can die holding hivemind's cross-process MPFuture lock, and then no
-    later DHT of the same parent process starts (a node never starts one after that: it exits).
-    Each test that kills a part therefore gets a fresh process; a failure comes back as its traceback.
+    later DHT of the same parent process starts (a node never starts one after that: it exits); and
+    forking a pytest process whose earlier tests left hivemind threads running is unsafe. So each test
+    that kills a part runs in its own process; a failure comes back with its output.
     """
 
-    def wrapper(tmp_path, *args, **kwargs):
-        parent, child = mp.get_context("fork").Pipe()
-
-        def body():
+    def wrapper(tmp_path, request, *args, **kwargs):
+        if os.environ.get("DILOCO_ISOLATED_TEST") == request.node.nodeid:
+            node = start_dht(initial_peers=[], host="127.0.0.1", port=0, identity_path=tmp_path / "identity.key",
+                             record_validators=record_validators("supervised", tmp_path))
             try:
-                node = start_dht(initial_peers=[], host="127.0.0.1", port=0, identity_path=tmp_path / "identity.key",
-                                 record_validators=record_validators("supervised", tmp_path))
-                try:
-                    test(node, tmp_path, *args, **kwargs)
-                finally:
-                    for pid in node_pids(node, None):
-                        if pid != node.pid:
-                            with contextlib.suppress(ProcessLookupError):
-                                os.kill(pid, signal.SIGKILL)
-                    if node.is_alive():
-                        node.kill()
-                child.send("")
-            except BaseException:
-                child.send(traceback.format_exc())
-            os._exit(0)
-
-        proc = mp.get_context("fork").Process(target=body)
-        proc.start()
-        try:
-            assert parent.poll(110), "the isolated test did not finish"
-            error = parent.recv()
-        finally:
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-        if error:
-            pytest.fail(error, pytrace=False)
+                test(node, tmp_path, *args, **kwargs)
+            finally:
+                for pid in node_pids(node, None):
+                    if pid != node.pid:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                if node.is_alive():
+                    node.kill()
+            return
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+                             cwd=request.config.rootpath, capture_output=True, text=True, timeout=140,
+                             env={**os.environ, "DILOCO_ISOLATED_TEST": request.node.nodeid})
+        if run.returncode != 0:
+            pytest.fail(run.stdout[-4000:] + run.stderr[-2000:], pytrace=False)
 
     wrapper.__name__ = test.__name__
     wrapper.__signature__ = inspect.Signature(
-        [inspect.Parameter("tmp_path", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        [inspect.Parameter("tmp_path", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+         inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
         + list(inspect.signature(test).parameters.values())[2:])
     return wrapper
 
