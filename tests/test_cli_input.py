@@ -5,9 +5,11 @@ on the path: the one `error:` line and exit code 2 prove that the input was chec
 """
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -107,3 +109,25 @@ def test_no_torch_jit_warning_before_a_commands_output():
     for args in (["--help"], ["join", "--help"]):
         out = subprocess.run([sys.executable, "-m", "diloco_swarm", *args], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and "Warning" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_stop_signal_while_the_node_loads_ends_it_at_once(tmp_path, sig):
+    """Before the node installs its handlers (torch and hivemind still loading), a stop signal was
+    lost or killed the process; now it ends it with one line and exit 0 (node/signals.py)."""
+    proc = subprocess.Popen([sys.executable, "-m", "diloco_swarm", "join", "--host", "127.0.0.1", "--port", "0",
+                             "--state-dir", str(tmp_path / "state"), "--run-id", "early-stop"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        time.sleep(2.5)  # past the CLI's own imports, inside torch/hivemind loading (or later)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, sig)
+        out, err = proc.communicate(timeout=20)
+        seconds = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, (proc.returncode, err[-2000:])
+    assert seconds <= 20 and "Traceback" not in err, (seconds, err[-2000:])
+    assert "stopped during start-up" in out + err, out + err

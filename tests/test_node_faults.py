@@ -42,7 +42,7 @@ def parts_of(node: NodeProc) -> dict[str, int]:
         except OSError:
             continue
         name, ppid = stat.split("(", 1)[1].rsplit(")", 1)[0], int(stat.rsplit(")", 1)[1].split()[1])
-        if name == "p2pd" and ppid != main:
+        if name == "p2pd" and b"identity.key" in cmd:  # the DHT's daemon (a dial-back check's has no identity)
             out["p2pd"], out["dht"] = pid, ppid
     for pid in process_tree(main)[1:]:
         try:

@@ -37,7 +37,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from diloco_swarm.averaging.allreduce import REFUSED_OUR_PART, ConsensusAllReduceRunner, RoundStats
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
 from diloco_swarm.averaging.reachability import Responder
-from diloco_swarm.dht.calls import ChildUnavailable, bounded, dht_get, dht_store
+from diloco_swarm.dht.calls import ChildGone, ChildUnavailable, bounded, dht_get, dht_store
 from diloco_swarm.utils.hivemind_fixes import keep_task_alive
 
 logger = get_logger(__name__)
@@ -351,7 +351,13 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     def donors(self) -> dict[str, float]:
         """Peers that share their state, with their priority (= their outer step): ``{peer_id: step}``."""
-        out = state_donors(self.dht, self.prefix)
+        try:
+            out = state_donors(self.dht, self.prefix)
+        except ChildGone:
+            raise  # the node's watchdog ends the node
+        except ChildUnavailable as e:  # a slow DHT (a loaded machine): no donor visible this time
+            logger.debug(f"reading the state donors: {e}")
+            return {}
         out.pop(self.peer_id.to_base58(), None)
         return out
 

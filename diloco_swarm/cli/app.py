@@ -142,6 +142,9 @@ def join(
     Ctrl+C leaves cleanly (the checkpoint is written); a second Ctrl+C quits at once.
     """
     require_node("join")
+    from diloco_swarm.node.signals import catch_early
+
+    catch_early()  # a stop signal while torch and hivemind load is kept for the node, not lost
     from pydantic import ValidationError
 
     from diloco_swarm.node.config import NodeConfig

@@ -29,6 +29,10 @@ class ChildUnavailable(RuntimeError):
     """A hivemind child process (DHT or averager) is gone, or did not answer within the time bound."""
 
 
+class ChildGone(ChildUnavailable):
+    """The child process is not alive (it died, or was never started)."""
+
+
 def bounded(child: Any, what: str, start: Callable[[], Any], timeout: float,
             stop: threading.Event | None = None) -> Any:
     """Run ``start()`` (which returns a hivemind ``MPFuture``) and wait for its result at most ``timeout`` s.
@@ -36,15 +40,16 @@ def bounded(child: Any, what: str, start: Callable[[], Any], timeout: float,
     :param child: the ``multiprocessing.Process`` (``hivemind.DHT``, an averager) that answers the call.
     :param what: names the call in the error, e.g. ``"DHT get of 'run_spec'"``.
     :param stop: when set while waiting, give up at once (raises ChildUnavailable "stopping").
-    :raises ChildUnavailable: the child is not alive, died while we waited, did not answer within
-        ``timeout``, or ``stop`` was set. Errors the call itself raised in the child propagate as they are.
+    :raises ChildGone: the child is not alive, or died while we waited.
+    :raises ChildUnavailable: it did not answer within ``timeout``, or ``stop`` was set. Errors the
+        call itself raised in the child propagate as they are.
     """
     if not _alive(child):
-        raise ChildUnavailable(f"{what}: the {_name(child)} process is gone")
+        raise ChildGone(f"{what}: the {_name(child)} process is gone")
     try:
         future = start()
     except (BrokenPipeError, ConnectionError, EOFError, OSError) as e:
-        raise ChildUnavailable(f"{what}: the {_name(child)} process is gone ({type(e).__name__})") from None
+        raise ChildGone(f"{what}: the {_name(child)} process is gone ({type(e).__name__})") from None
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -52,8 +57,9 @@ def bounded(child: Any, what: str, start: Callable[[], Any], timeout: float,
         except (TimeoutError, concurrent.futures.TimeoutError):
             pass
         if not _alive(child):
-            reason = f"the {_name(child)} process died while we waited"
-        elif stop is not None and stop.is_set():
+            _cancel(future)
+            raise ChildGone(f"{what}: the {_name(child)} process died while we waited")
+        if stop is not None and stop.is_set():
             reason = "stopping"
         elif time.monotonic() >= deadline:
             reason = f"no answer within {timeout:g}s"

@@ -96,6 +96,7 @@ def _run_dying_with_parent(run):
         # The node stops its children itself; SIGTERM must end one.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: the node stops us itself, cleanly
         return run(self, *args, **kwargs)
 
     wrapper.__dies_with_parent__ = True
