@@ -82,7 +82,9 @@ def reach_phase(swarm: ChurnSwarm, target: NodeProc, partner: NodeProc, phase: s
 
 @pytest.mark.timeout(1500)
 def test_every_signal_in_every_phase_stops_within_20s_with_the_checkpoint_intact(tmp_path):
-    with ChurnSwarm(tmp_path, "stops") as swarm:
+    # Blocking sync mode: the phases follow each other there. Overlapped, a node trains while its round
+    # runs; its stops are those of the inner phase and of the round together (tests/test_overlap.py).
+    with ChurnSwarm(tmp_path, "stops", extra=["--sync-mode", "blocking"]) as swarm:
         # The partner trains on bigger batches: the target reaches matchmaking first and waits there.
         partner = swarm.start("partner", "--batch-size", "16", timeout=START_S)
         target = None
