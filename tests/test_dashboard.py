@@ -317,7 +317,7 @@ def helper_swarm():
             dht.shutdown()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)  # two `status` runs, each starting a DHT (tens of seconds on a busy 2-core machine)
 def test_status_command_reads_the_swarm(helper_swarm, tmp_path):
     args = [sys.executable, "-m", "diloco_swarm", "status", "--initial-peers", *helper_swarm.maddrs,
             "--run-id", helper_swarm.run_id]
