@@ -64,11 +64,12 @@ def test_two_nodes_overlap_rounds_agree_and_survive_a_crash_mid_round(tmp_path):
         swarm.wait(lambda: len(b.events("averaging_start")) > n and b.events()[-1]["event"] == "averaging_start",
                    60, "b hands a round off", b, poll=0.05)
         kill_tree(b)
-        # Its checkpoint is the state of the last round it applied, never an eager estimate.
+        # Its checkpoint is the state of a round it applied (the last one, or the one before when the
+        # kill beat the checkpoint thread's write), never an eager estimate.
         step, digest = digest_of_checkpoint(b)
-        last = b.outer_steps()[-1]
-        assert step == (last["synced_to"] or last["outer_step"]), (step, last)
-        assert digest == theta_by_step(b)[step], (digest, step)
+        held = theta_by_step(b)
+        assert step in held and step >= max(held) - 1, (step, sorted(held))
+        assert digest == held[step], (digest, step, held)
 
         # Restarted, b resumes from it and averages with a again.
         ok_before = sum(r["round_ok"] for r in a.outer_steps())
