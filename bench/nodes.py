@@ -10,6 +10,7 @@ records can be charged the CPU each process used in it.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -207,3 +208,11 @@ def window_figures(run: NodeRun, window: tuple[dict, dict] | None) -> dict[str, 
                           if a["outer_step"] < e["outer_step"] <= b["outer_step"]],
     })
     return out
+
+
+def keep_logs(workdir: Path, dest: Path) -> None:
+    """Copy the nodes' metrics and logs (not checkpoints, keys or locks) from ``workdir`` to ``dest``."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in list(workdir.glob("*.jsonl")) + list(workdir.glob("*.log")):
+        shutil.copy2(f, dest / f.name)

@@ -38,19 +38,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import loadavg, md_table
-from bench.nodes import NodeSpec, run_nodes, steady_window, window_figures
+from bench.common import DEFAULT_OUT, loadavg, md_table
+from bench.nodes import NodeSpec, keep_logs, run_nodes, steady_window, window_figures
 
 MODES = ("overlap", "blocking", "alone")
 SIZES = {
     "smoke": {"model": "tiny", "H": 4, "seq_len": 32, "batch": 2, "rate": "100mbit", "outer_steps": 5,
               "max_bytes": 200_000, "timeout": 240},
     "quick": {"model": "tiny", "H": 20, "seq_len": 64, "batch": 4, "rate": "20mbit", "outer_steps": 6,
-              "max_bytes": 1_000_000, "timeout": 400},
+              "max_bytes": 1_000_000, "timeout": 400, "keep_logs": True},
     "full": {"model": "small", "H": 50, "seq_len": 64, "batch": 4, "rate": "20mbit", "outer_steps": 9,
-             "max_bytes": 4_000_000, "timeout": 900},
+             "max_bytes": 4_000_000, "timeout": 900, "keep_logs": True},
 }
 MATCHMAKING_S = 2.0
+RUNS_DIR = DEFAULT_OUT / "overlap-runs"  # the nodes' metrics and logs of the last run, to look into
 AVERAGING_WINDOW_S = 30.0
 PEERS = 2
 
@@ -77,6 +78,8 @@ def run_mode(cfg: dict[str, Any], mode: str, placements: list[tuple[list[str], s
         runs = run_nodes(specs, workdir, cfg["timeout"], log_tag=f"[overlap {mode}] ")
         peers = [window_figures(r, steady_window(r.records(), None if mode == "alone" else PEERS)) for r in runs]
     finally:
+        if cfg.get("keep_logs"):
+            keep_logs(workdir, RUNS_DIR / mode)
         shutil.rmtree(workdir, ignore_errors=True)
     return {"mode": mode, "loadavg_start": load, "elapsed_s": round(time.time() - t0, 1), "peers": peers}
 

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import loadavg, md_table
-from bench.nodes import NodeSpec, run_nodes
+from bench.common import DEFAULT_OUT, loadavg, md_table
+from bench.nodes import NodeSpec, keep_logs, run_nodes
 
 SLOWDOWN = 3.0
 PEERS = 3
@@ -35,11 +35,12 @@ SIZES = {
     "smoke": {"model": "tiny", "H": 6, "seq_len": 32, "batch": 2, "outer_steps": 5, "max_bytes": 200_000,
               "timeout": 240},
     "quick": {"model": "tiny", "H": 40, "seq_len": 64, "batch": 4, "outer_steps": 6, "max_bytes": 1_000_000,
-              "timeout": 400},
+              "timeout": 400, "keep_logs": True},
     "full": {"model": "tiny", "H": 100, "seq_len": 64, "batch": 4, "outer_steps": 12, "max_bytes": 2_000_000,
-             "timeout": 900},
+             "timeout": 900, "keep_logs": True},
 }
 MATCHMAKING_S = 2.0
+RUNS_DIR = DEFAULT_OUT / "speeds-runs"  # the nodes' metrics and logs of the last run, to look into
 AVERAGING_WINDOW_S = 30.0
 
 
@@ -113,6 +114,8 @@ def run_variant(cfg: dict[str, Any], label: str, tag: str) -> dict[str, Any]:
         runs = run_nodes(specs, workdir, cfg["timeout"], log_tag=f"[speeds {label}] ")
         out = analyse(runs, slow)
     finally:
+        if cfg.get("keep_logs"):
+            keep_logs(workdir, RUNS_DIR / label)
         shutil.rmtree(workdir, ignore_errors=True)
     return {"label": label, "slow_peer": slow, "loadavg_start": load, "elapsed_s": round(time.time() - t0, 1), **out}
 
