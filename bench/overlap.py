@@ -177,7 +177,7 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         f"batch {cfg['batch']}, int8, {cfg['outer_steps']} outer steps, matchmaking {result['matchmaking_time']} s, "
         f"`--device cpu --threads 1`. Size choice: a 2-peer int8 round of the `small` preset moves ~11 MB per peer, "
         f"~4.5 s at 20 Mbit/s, ~7-8 s with matchmaking and the digest check; an inner step took 0.35-0.5 s here, so "
-        f"H = 50 makes the round about a third of a phase (see *round wall s* and *inner s per phase* below).\n",
+        f"H = 50 makes the round about a third of a phase (compare *round wall s* with *inner s per round* below).\n",
         "*Tokens/s* = tokens of the rounds applied in the steady window ÷ its wall seconds (window: from the first "
         "round both peers averaged, or the alone node's second round, to the second-to-last round: with "
         "`--max-outer-steps` the last round has no phase to hide behind). *Lone-peer ratio* = the alone node's "
@@ -190,11 +190,13 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         for i, p in enumerate(m[mode]["peers"]):
             rows.append([mode, i, _f(p.get("tokens_per_s"), ".0f"), _f(p.get("utilization"), ".1%"),
                          f"{p.get('window_rounds', '–')}", _f(p.get("window_wall_s"), ".0f"),
+                         _f(p.get("inner_s_per_round"), ".1f"),
                          _f(p.get("waited_s"), ".1f"), _f(p.get("eval_s"), ".1f"),
                          " ".join(str(x) for x in p["inner_steps"]),
                          " ".join(_f(x, ".1f") for x in p["round_wall_s"]),
                          f"{p['rounds_ok']}/{p['outer_steps']}", p["exit_code"], m[mode]["loadavg_start"]])
     md.append(md_table(["mode", "peer", "tokens/s", "inner share of wall", "rounds in window", "window s",
+                        "inner s per round",
                         "waited s", "eval s", "inner steps per round", "round wall s", "verified rounds",
                         "exit", "load avg at start"], rows))
     rows = []
