@@ -11,8 +11,9 @@ Reported per peer: inner steps per outer step (the ``inner_steps`` field of its 
 extended while a round runs). For the slow peer: the share of the swarm's rounds it joined, from the
 ``group`` field of every peer's records (a round = a distinct (outer step, group) with ≥ 2 members).
 Swarm goodput over a common window (from the moment every peer has applied 2 rounds to the
-moment the first peer applied its second-to-last one): Σ inner seconds whose Δ was applied
-(``inner_s − wasted_inner_s``) ÷ Σ wall seconds, over the peers; the slow peer's slowed steps count as
+moment the first peer applied its second-to-last one; each peer's cumulative figures interpolated
+between its records): Σ inner seconds whose Δ was applied (``inner_s − wasted_inner_s``) ÷ Σ wall
+seconds, over the peers; the slow peer's slowed steps count as
 inner seconds (its machine is busy). Tokens per wall second are reported beside it, with the
 ratio an ideal swarm would reach (1 + 1 + ⅓) / 3.
 """
@@ -52,23 +53,34 @@ def node_args(cfg: dict[str, Any]) -> list[str]:
             "--wait-for-peers", str(PEERS), "--device", "cpu", "--threads", "1"]
 
 
-def _at(records: list[dict], t: float, key: str, after: bool) -> dict | None:
-    """The first record at/after ``t`` (after) or the last one at/before ``t``."""
-    if after:
-        return next((e for e in records if e["time"] >= t), None)
-    return next((e for e in reversed(records) if e["time"] <= t), None)
+def _interp(records: list[dict], t: float, key) -> float:
+    """A cumulative figure of one node at time ``t``, linearly interpolated between its records."""
+    value = key if callable(key) else (lambda e: e[key])
+    for a, b in zip(records, records[1:]):
+        if a["time"] <= t <= b["time"]:
+            f = (t - a["time"]) / (b["time"] - a["time"]) if b["time"] > a["time"] else 0.0
+            return value(a) + f * (value(b) - value(a))
+    raise ValueError("t outside the records")
+
+
+def _useful(e: dict) -> float:
+    return e["inner_s"] - e["wasted_inner_s"]
 
 
 def analyse(runs, slow: int | None) -> dict[str, Any]:
+    """Per-peer figures, the slow peer's share of rounds and the swarm goodput over a common window
+    [t_a, t_b]: t_a = when the last peer applied its 2nd round, t_b = when the first peer applied its
+    second-to-last; every peer's cumulative figures are interpolated between its records at both ends."""
     recs = [[e for e in r.records() if e.get("event") == "outer_step"] for r in runs]
     ids = [next((e.get("peer_id") for e in r.records("start")), None) for r in runs]
     out: dict[str, Any] = {"peers": []}
-    if any(len(x) < 4 for x in recs):
-        t_a = t_b = None
-    else:
+    t_a = t_b = None
+    if all(len(x) >= 4 for x in recs):
         t_a = max(x[1]["time"] for x in recs)
         t_b = min(x[-2]["time"] for x in recs)
-    useful = wall = tokens = 0.0
+        if t_b <= t_a:
+            t_a = t_b = None
+    useful = tokens = 0.0
     for i, (r, x) in enumerate(zip(runs, recs)):
         peer: dict[str, Any] = {"peer": i, "slow": i == slow, "exit_code": r.exit_code, "outer_steps": len(x),
                                 "inner_steps": [e.get("inner_steps") for e in x],
@@ -76,23 +88,22 @@ def analyse(runs, slow: int | None) -> dict[str, Any]:
                                 "rounds_ok": sum(1 for e in x if e.get("round_ok")),
                                 "state_syncs": len(r.records("state_sync")),
                                 "log_tail": "" if r.exit_code == 0 else r.log.read_text(errors="replace")[-2000:]}
-        if t_a is not None and t_b is not None and t_b > t_a:
-            a, b = _at(x, t_a, "time", True), _at(x, t_b, "time", False)
-            if a is not None and b is not None and b["time"] > a["time"]:
-                du = (b["inner_s"] - b["wasted_inner_s"]) - (a["inner_s"] - a["wasted_inner_s"])
-                dw = b["wall_s"] - a["wall_s"]
-                dt = b["tokens_total"] - a["tokens_total"]
-                useful, wall, tokens = useful + du, wall + dw, tokens + dt / dw
-                steps = [e.get("inner_steps") or 0 for e in x if a["outer_step"] < e["outer_step"] <= b["outer_step"]]
-                peer.update(window_goodput=du / dw, window_tokens_per_s=dt / dw,
-                            mean_inner_steps=sum(steps) / len(steps) if steps else None)
+        if t_a is not None:
+            dw = t_b - t_a
+            du = _interp(x, t_b, _useful) - _interp(x, t_a, _useful)
+            dt = _interp(x, t_b, "tokens_total") - _interp(x, t_a, "tokens_total")
+            useful, tokens = useful + du, tokens + dt / dw
+            steps = [e.get("inner_steps") or 0 for e in x if t_a <= e["time"] <= t_b]
+            peer.update(window_goodput=du / dw, window_tokens_per_s=dt / dw,
+                        mean_inner_steps=sum(steps) / len(steps) if steps else None)
         out["peers"].append(peer)
     out["window"] = [t_a, t_b]
-    out["swarm_goodput"] = useful / wall if wall else None
+    out["window_s"] = (t_b - t_a) if t_a is not None else None
+    out["swarm_goodput"] = useful / (len(runs) * (t_b - t_a)) if t_a is not None else None
     out["swarm_tokens_per_s"] = tokens or None
-    # rounds: distinct (outer step, group) with ≥ 2 members, seen in any peer's records inside the window
+    # rounds: distinct (outer step, group) with ≥ 2 members in any peer's records inside the window
     rounds = {(e["outer_step"], tuple(sorted(e.get("group") or []))) for x in recs for e in x
-              if (e.get("group_size") or 0) >= 2 and (t_a is None or t_a <= e["time"] <= (t_b or e["time"]) + 1e-6)}
+              if (e.get("group_size") or 0) >= 2 and (t_a is None or t_a <= e["time"] <= t_b)}
     out["rounds"] = len(rounds)
     if slow is not None and ids[slow]:
         joined = sum(1 for _, g in rounds if ids[slow] in g)
@@ -163,7 +174,8 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         f"{cfg['outer_steps']} outer steps, matchmaking {result['matchmaking_time']} s, `--threads 1` each.\n",
         "*Goodput* = Σ inner seconds whose Δ was applied (`inner_s − wasted_inner_s`) ÷ Σ wall seconds over the "
         "peers, in a common window (from the moment every peer applied 2 rounds to the moment the first one applied "
-        "its second-to-last); a slowed step counts as inner time (the slow machine is busy). *Rounds joined*: of "
+        "its second-to-last; each peer's cumulative `inner_s`, `wasted_inner_s`, `tokens_total` interpolated "
+        "between its records at both ends); a slowed step counts as inner time (the slow machine is busy). *Rounds joined*: of "
         "the distinct (outer step, group) pairs with ≥ 2 members in any peer's records in the window, those whose "
         "`group` holds the slow peer.\n",
     ]
