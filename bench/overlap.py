@@ -25,8 +25,10 @@ by both peers, or the alone node's second round, to its second-to-last round):
 
 How the size was chosen (full): the ``small`` preset (11.1M parameters) sends about 11 MB per peer
 and round in int8 with 2 peers; at 20 Mbit/s (2.5 MB/s) that is ~4.5 s on the wire, ~7-8 s with
-matchmaking and the digest check. One inner step (batch 4, seq_len 64, one thread) took 0.35-0.5 s on
-this shared machine, so H = 50 gives a ~20-25 s phase: a round is about a third of a phase.
+matchmaking and the digest check; measured: 11-13 s per round (``round_wall_s``) with 2 peers under
+a load average of ~11 on 2 cores. One inner step (batch 4, seq_len 64, one thread) took 0.35-0.5 s
+alone on a quiet moment but ~2 s with both peers under that load (50 steps: ~100 s of inner time
+per phase), so H = 20 makes a phase ~40 s: a round is about a third of a phase.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ SIZES = {
               "max_bytes": 200_000, "timeout": 240},
     "quick": {"model": "tiny", "H": 20, "seq_len": 64, "batch": 4, "rate": "20mbit", "outer_steps": 6,
               "max_bytes": 1_000_000, "timeout": 400, "keep_logs": True},
-    "full": {"model": "small", "H": 50, "seq_len": 64, "batch": 4, "rate": "20mbit", "outer_steps": 9,
+    "full": {"model": "small", "H": 20, "seq_len": 64, "batch": 4, "rate": "20mbit", "outer_steps": 7,
              "max_bytes": 4_000_000, "timeout": 900, "keep_logs": True},
 }
 MATCHMAKING_S = 2.0
@@ -176,8 +178,9 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         f"Run: model `{cfg['model']}` ({result['params']:,} parameters), H = {cfg['H']}, seq_len {cfg['seq_len']}, "
         f"batch {cfg['batch']}, int8, {cfg['outer_steps']} outer steps, matchmaking {result['matchmaking_time']} s, "
         f"`--device cpu --threads 1`. Size choice: a 2-peer int8 round of the `small` preset moves ~11 MB per peer, "
-        f"~4.5 s at 20 Mbit/s, ~7-8 s with matchmaking and the digest check; an inner step took 0.35-0.5 s here, so "
-        f"H = 50 makes the round about a third of a phase (compare *round wall s* with *inner s per round* below).\n",
+        f"~4.5 s at 20 Mbit/s; a first run with H = 50 measured 11-13 s per round and ~2 s per inner step "
+        f"(both peers on this shared 2-core machine at a load average of ~11), so H = 20 makes the round about a "
+        f"third of a phase (compare *round wall s* with *inner s per round* below).\n",
         "*Tokens/s* = tokens of the rounds applied in the steady window ÷ its wall seconds (window: from the first "
         "round both peers averaged, or the alone node's second round, to the second-to-last round: with "
         "`--max-outer-steps` the last round has no phase to hide behind). *Lone-peer ratio* = the alone node's "
