@@ -46,7 +46,9 @@ def test_every_benchmark_runs_at_toy_size(tmp_path):
     speeds = json.loads((out / "speeds.smoke.json").read_text())
     for run in speeds["variants"].values():
         assert [p["exit_code"] for p in run["peers"]] == [0, 0, 0], [p["log_tail"] for p in run["peers"]]
-    assert "rounds joined" in text.lower() or "joined" in text
+        assert all(3 in p["group_sizes"] for p in run["peers"]), run  # the three peers met at least once
+    assert [p["slow"] for p in speeds["variants"]["mixed"]["peers"]] == [False, False, True]
+    assert "The slow peer joined" in text
 
 
 @pytest.mark.timeout(60)
