@@ -13,7 +13,9 @@ warm-up and gradient clipping) and total token count for all four:
     updates, arXiv 2502.12996): at each hand-off a peer jumps to ``OuterOptimizer.preview`` of its own
     Δ and trains on; the round's average is applied with ``OuterSync.apply`` at the END of the next
     phase (the most stale a round can be: the conservative case). The last round is applied after
-    the last phase, so every variant ends with the same tokens in θ_global.
+    the last phase, so every variant ends with the same tokens in θ_global;
+(f) ``DiLoCo int8 overlap, ⅓ late``: as (e), but each round is applied after the first third of the
+    next phase (a round that takes a third of a phase: the design point of ``bench overlap``).
 
 The k DiLoCo peers are **simulated inside one process**: their H inner steps run one replica
 after the other, then the outer step. Each replica draws batches from its own
@@ -37,7 +39,10 @@ import torch
 
 from bench.common import human_bytes, md_table
 
-VARIANTS = ("data-parallel", "DiLoCo fp32", "DiLoCo int8", "no averaging", "DiLoCo int8 overlap")
+VARIANTS = ("data-parallel", "DiLoCo fp32", "DiLoCo int8", "no averaging", "DiLoCo int8 overlap",
+            "DiLoCo int8 overlap, ⅓ late")
+# the overlapped variants: after which share of the next phase each round is applied
+OVERLAP_APPLY_AFTER = {"DiLoCo int8 overlap": 1.0, "DiLoCo int8 overlap, ⅓ late": 1 / 3}
 
 SIZES = {
     "smoke": {"preset": "tiny", "k": 4, "batch": 2, "seq_len": 32, "H": 2, "outer_steps": 2, "eval_batch": 4,
@@ -111,8 +116,8 @@ def run_variant(variant: str, cfg: dict[str, Any], threads: int) -> dict[str, An
             step = _train_steps(model, opt, sampler.batches_for_outer_step(t, H), step, warmup)
             train_s += time.perf_counter() - t0
             curve.append([(t + 1) * tokens_per_outer, evaluate(model, eval_set, "cpu")])
-    elif variant == "DiLoCo int8 overlap":
-        curve, train_s = _run_overlap(cfg, corpus, eval_set, warmup)
+    elif variant in OVERLAP_APPLY_AFTER:
+        curve, train_s = _run_overlap(cfg, corpus, eval_set, warmup, OVERLAP_APPLY_AFTER[variant])
     else:
         from diloco_swarm.averaging import codec
 
@@ -159,8 +164,9 @@ def run_variant(variant: str, cfg: dict[str, Any], threads: int) -> dict[str, An
             "threads": threads, "warmup_steps": warmup}
 
 
-def _run_overlap(cfg, corpus, eval_set, warmup: int) -> tuple[list, float]:
-    """(e): k peers with the node's overlapped outer step, each round applied one full phase late.
+def _run_overlap(cfg, corpus, eval_set, warmup: int, apply_after: float = 1.0) -> tuple[list, float]:
+    """(e), (f): k peers with the node's overlapped outer step, each round applied after
+    ``apply_after`` × H inner steps of the next phase (1.0: at its end, the most stale).
 
     Every peer has its own ``OuterOptimizer`` (all hold the same θ_global, as the members of a
     verified round do) wrapped in an ``OuterSync``: the hand-off is ``preview`` + θ_local ← θ̂, the
@@ -192,15 +198,18 @@ def _run_overlap(cfg, corpus, eval_set, warmup: int) -> tuple[list, float]:
     try:
         for t in range(N + 1):
             t0 = time.perf_counter()
-            if t < N:
-                for i, rep in enumerate(replicas):
-                    steps[i] = _train_steps(rep, opts[i], samplers[i].batches_for_outer_step(t, H), steps[i], warmup)
+            batches = [list(smp.batches_for_outer_step(t, H)) if t < N else [] for smp in samplers]
+            split = round(apply_after * H) if pending is not None else H
+            for i, rep in enumerate(replicas):  # the part of the phase before the previous round ends
+                steps[i] = _train_steps(rep, opts[i], batches[i][:split], steps[i], warmup)
             applied = None
-            if pending is not None:  # the previous round ends at the end of this phase
+            if pending is not None:  # the previous round ends
                 applied, mean, estimates = pending
                 for s, est in zip(syncs, estimates):
                     s.apply(mean, est)
                 pending = None
+            for i, rep in enumerate(replicas):  # the rest of the phase
+                steps[i] = _train_steps(rep, opts[i], batches[i][split:], steps[i], warmup)
             if t < N:  # hand-off: Δ from the (just updated) θ_global, θ_local ← θ̂
                 deltas = [_int8_roundtrip(o.pseudo_gradient(p), codec) for o, p in zip(outers, params)]
                 estimates = []
@@ -271,6 +280,7 @@ def _bytes_per_peer(cfg, P: int) -> dict[str, float]:
         "DiLoCo int8": f * P * (codec.wire_bytes(P) / P) * N,
         "no averaging": 0.0,
         "DiLoCo int8 overlap": f * P * (codec.wire_bytes(P) / P) * N,
+        "DiLoCo int8 overlap, ⅓ late": f * P * (codec.wire_bytes(P) / P) * N,
     }
 
 
@@ -292,7 +302,8 @@ def run(size: str) -> dict[str, Any]:
         ctx = mp.get_context("spawn")  # fresh interpreters: no OpenMP state inherited through fork
         with ctx.Pool(workers) as pool:
             # the dear ones first, so the two workers end about together
-            order = ["DiLoCo int8", "DiLoCo int8 overlap", "DiLoCo fp32", "no averaging", "data-parallel"]
+            order = ["DiLoCo int8", "DiLoCo int8 overlap", "DiLoCo int8 overlap, ⅓ late", "DiLoCo fp32",
+                     "no averaging", "data-parallel"]
             results = pool.starmap(run_variant, [(v, cfg, threads) for v in order], chunksize=1)
         results.sort(key=lambda r: VARIANTS.index(r["variant"]))
     wall = time.perf_counter() - t0
@@ -333,7 +344,7 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         md_table(["variant", "loss at start", "final held-out loss", "best", "bytes sent per peer (whole run)",
                   "train s (wall)", "CPU s"], rows),
     ]
-    dp, f32, i8, solo, i8o = (by.get(v) for v in VARIANTS)
+    dp, f32, i8, solo, i8o, i8o3 = (by.get(v) for v in VARIANTS)
     if dp and f32 and i8 and solo:
         md.append(
             f"\nFinal loss differences (same run): int8 − fp32 DiLoCo = **{i8['final_loss'] - f32['final_loss']:+.4f}**; "
@@ -346,7 +357,11 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         md.append(
             f"\nOverlapped vs blocking rounds (int8, k = {k}, each round applied one full phase late, the most stale "
             f"the node allows): final held-out loss {i8o['final_loss']:.4f} vs {i8['final_loss']:.4f}, "
-            f"**{d:+.4f} ({100 * d / i8['final_loss']:+.2f}%)** (target: within 1%).\n")
+            f"**{d:+.4f} ({100 * d / i8['final_loss']:+.2f}%)** (target: within 1%)"
+            + (f"; applied after a third of the next phase (a round a third of a phase long): "
+               f"{i8o3['final_loss']:.4f}, **{i8o3['final_loss'] - i8['final_loss']:+.4f} "
+               f"({100 * (i8o3['final_loss'] - i8['final_loss']) / i8['final_loss']:+.2f}%)**" if i8o3 else "")
+            + ".\n")
     cal = result["calibration_ms_per_step"]
     md.append(f"\nThreads: one inner step (batch {cfg['batch']}) took {cal['1']:.0f} ms with "
               f"`torch.set_num_threads(1)` and {cal['2']:.0f} ms with 2 (median, interleaved; 2 threads are used only "
@@ -357,6 +372,8 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
               + (f", which used {sum(r['cpu_s'] for r in result['variants']):.0f} CPU seconds in all (the wall time "
                  f"depends on what else runs on the machine; see the load average below)"
                  if all(r.get("cpu_s") is not None for r in result["variants"]) else "") + ".\n")
+    for note in result.get("notes", []):  # e.g. a variant added to a result by a later invocation
+        md.append(f"\n*Note:* {note}\n")
     png = _plot(result, docs_dir)
     md.append(f"\n![held-out loss vs tokens]({png})\n")
     return "\n".join(md)
@@ -371,7 +388,8 @@ def _plot(result, docs_dir: Path) -> str:
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     styles = {"data-parallel": ("k", "-", "o"), "DiLoCo fp32": ("tab:blue", "-", "s"),
               "DiLoCo int8": ("tab:orange", "--", "^"), "no averaging": ("tab:red", ":", "x"),
-              "DiLoCo int8 overlap": ("tab:green", "-.", "v")}
+              "DiLoCo int8 overlap": ("tab:green", "-.", "v"),
+              "DiLoCo int8 overlap, ⅓ late": ("tab:purple", "-.", "D")}
     for r in result["variants"]:
         c = r["curve"]
         xs = [p[0] / 1e6 for p in c]
