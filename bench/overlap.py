@@ -139,6 +139,13 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "tokens_per_s": {k: p.get("tokens_per_s") for k, p in zip(MODES, (o, b, a))},
             "overlap_vs_alone": _ratio(o.get("tokens_per_s"), a.get("tokens_per_s")),
             "blocking_vs_alone": _ratio(b.get("tokens_per_s"), a.get("tokens_per_s")),
+            # the same ratios at equal inner-step speed: the runs are minutes apart on a shared machine, and
+            # what else runs there changes the step speed of a whole run (the CPU per step does not change)
+            "overlap_vs_alone_equal_speed": _ratio(o.get("utilization"), a.get("utilization")),
+            "blocking_vs_alone_equal_speed": _ratio(b.get("utilization"), a.get("utilization")),
+            "inner_tokens_per_s": {k: p.get("inner_tokens_per_s") for k, p in zip(MODES, (o, b, a))},
+            "training_cpu_s_per_inner_step": {k: p.get("training_cpu_s_per_inner_step")
+                                              for k, p in zip(MODES, (o, b, a))},
             "lone_ratio": _ratio(a.get("tokens_per_s"), a.get("inner_tokens_per_s")),
             "averaging_cpu_s_per_round": cpu,
         })
@@ -156,7 +163,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         cpu = r["averaging_cpu_s_per_round"].get("overlap") or {}
         out.append(f"peer {r['peer']}: tokens/s overlap {_f(t['overlap'], '.0f')}, blocking {_f(t['blocking'], '.0f')}, "
                    f"alone {_f(t['alone'], '.0f')}; overlap ÷ alone {_f(r['overlap_vs_alone'])} (target ≥ 0.95), "
-                   f"blocking ÷ alone {_f(r['blocking_vs_alone'])}; lone-peer ratio {_f(r['lone_ratio'], '.3f')} "
+                   f"blocking ÷ alone {_f(r['blocking_vs_alone'])}; at equal inner-step speed "
+                   f"{_f(r.get('overlap_vs_alone_equal_speed'))} and {_f(r.get('blocking_vs_alone_equal_speed'))}; lone-peer ratio {_f(r['lone_ratio'], '.3f')} "
                    f"(target ≥ 0.97); averaging CPU per round (overlap) {_f(cpu.get('total'), '.2f', ' s')}")
     return out
 
@@ -164,6 +172,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
 def render(result: dict[str, Any], docs_dir: Path) -> str:
     cfg = result["config"]
     m = result["modes"]
+    result = {**result, "summary": summarize(result)}  # figures added since the run are derived again
     if result["netns"]:
         where = (f"{PEERS} `diloco-node join` processes, each in its own network namespace (veth pairs to a bridge in "
                  f"a hub namespace)" + (f", every link limited to {result['rate']} each way with `tc tbf`."
@@ -205,19 +214,35 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
     rows = []
     for r in result["summary"]["peers"]:
         cpu = r["averaging_cpu_s_per_round"]
-        rows.append([r["peer"], f"**{_f(r['overlap_vs_alone'])}×**", f"{_f(r['blocking_vs_alone'])}×",
+        rows.append([r["peer"], f"{_f(r['overlap_vs_alone'])}×", f"{_f(r['blocking_vs_alone'])}×",
+                     f"**{_f(r['overlap_vs_alone_equal_speed'])}×**", f"{_f(r['blocking_vs_alone_equal_speed'])}×",
+                     " / ".join(_f(r["inner_tokens_per_s"][k], ".0f") for k in MODES),
+                     " / ".join(_f(r["training_cpu_s_per_inner_step"][k], ".2f") for k in MODES),
                      f"**{_f(r['lone_ratio'], '.3f')}**",
                      " / ".join(_f((cpu.get(k) or {}).get("total"), ".2f") for k in ("overlap", "blocking")),
                      " / ".join(_f((cpu.get(k) or {}).get("other_processes"), ".2f") for k in ("overlap", "blocking")),
                      " / ".join(_f((cpu.get(k) or {}).get("training_process"), ".2f") for k in ("overlap", "blocking"))])
-    md.append("\n" + md_table(["peer", "overlap ÷ alone (target ≥ 0.95)", "blocking ÷ alone",
+    md.append("\n" + md_table(["peer", "overlap ÷ alone, tokens/s", "blocking ÷ alone, tokens/s",
+                               "overlap ÷ alone at equal step speed (target ≥ 0.95)",
+                               "blocking ÷ alone at equal step speed",
+                               "inner-step speed, tokens per inner s: overlap / blocking / alone",
+                               "training-process CPU s per inner step: overlap / blocking / alone",
                                "lone-peer ratio (target ≥ 0.97)", "averaging CPU s per round, overlap / blocking",
                                "… of it in forked processes + p2pd", "… of it in the training process"], rows))
+    md.append("\n*At equal step speed* = the ratio of the inner-step shares of wall time (tokens per wall second ÷ "
+              "tokens per inner-step second), i.e. the tokens/s ratio had both runs' inner steps run at the same speed. "
+              "The three runs are minutes apart on a machine shared with other jobs: when the load changes between "
+              "them, the inner steps of a whole run slow down (the CPU seconds per inner step stay the same, see the "
+              "table), and the plain tokens/s ratio measures that load, not the averaging. The inner-step speed "
+              "column shows how far apart the runs were; when it differs, read the equal-speed ratio. It does not "
+              "charge the averaging's CPU competing with the inner steps: that is in the next columns.\n")
     md.append("\n*Averaging CPU per round*: CPU seconds (/proc, user + system) of the node's forked processes "
               "(hivemind's DHT and averager) and p2pd per round, minus the same in the alone run, plus the training "
               "process's extra CPU per inner step over the alone run × inner steps per round (the averaging thread "
               "runs in it). A GPU peer pays this on its CPU while its inner steps run on the GPU; on this 2-core "
               "machine it competes with CPU training, which is why overlap ÷ alone can fall short of 1.\n")
+    for note in result.get("notes", []):  # a reading of the run, added to its JSON afterwards
+        md.append(f"\n*Note:* {note}\n")
     problems = []
     for mode in MODES:
         for i, p in enumerate(m[mode]["peers"]):
