@@ -110,7 +110,7 @@ _STR_LIMITS = {"peer_id": MAX_PEER_ID, "name": MAX_NAME, "version": MAX_SHORT, "
 _INT_LIMITS = {"outer_step": MAX_COUNT, "tokens_total": MAX_COUNT, "bytes_sent": MAX_COUNT,
                "bytes_received": MAX_COUNT, "last_round_group_size": MAX_GROUP, "failed_rounds": MAX_COUNT}
 _FLOAT_LIMITS = {"tokens_per_s": MAX_RATE, "last_round_s": MAX_SECONDS, "goodput": 1.0, "uptime_s": MAX_SECONDS,
-                 "updated": MAX_TIME}
+                 "updated": MAX_TIME, "inner_step_s": MAX_SECONDS}
 _OPTIONAL_FLOAT_LIMITS = {"loss": MAX_LOSS, "eval_loss": MAX_LOSS}
 
 
