@@ -197,6 +197,8 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         f"equal {_f(e['swarm_goodput'], '.1%')}: **{_f(gr)}×** (target ≥ 0.9×). Swarm tokens per second: "
         f"{_f(tr)}× the equal run's (a swarm that lost no time would reach "
         f"{(PEERS - 1 + 1 / result['slowdown']) / PEERS:.2f}×: the slow peer trains ⅓ of the tokens).\n")
+    for note in result.get("notes", []):  # a reading of the run, added to its JSON afterwards
+        md.append(f"\n*Note:* {note}\n")
     problems = [f"- {v['label']}, peer {p['peer']} exited {p['exit_code']}: "
                 f"`{((p.get('log_tail') or '').strip().splitlines()[-1:] or ['(no output)'])[0][:160]}`"
                 for v in (m, e) for p in v["peers"] if p["exit_code"] != 0]
