@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from bench.common import loadavg, md_table, median, provenance, provenance_md
-from bench.procs import process_tree
+from bench.procs import cpu_seconds, process_tree
 from diloco_swarm.node.report import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,18 +39,6 @@ NODE_ARGS = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--inner
              "--max-dataset-bytes", "300000", "--threads", "1", "--device", "cpu", "--matchmaking-time", "3",
              "--averaging-window", "60", "--host", "127.0.0.1", "--port", "0"]
 START_TIMEOUT_S = 240.0
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_seconds(pids: list[int]) -> dict[int, tuple[str, float]]:
-    out = {}
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            out[pid] = (Path(f"/proc/{pid}/comm").read_text().strip(), (int(fields[11]) + int(fields[12])) / TICK)
-        except OSError:
-            continue
-    return out
 
 
 def trial(variant: str, window_s: float, workdir: Path) -> dict:
@@ -73,9 +61,9 @@ def trial(variant: str, window_s: float, workdir: Path) -> dict:
                 raise RuntimeError(f"{variant}: the node did not reach matchmaking; see {d / 'node.log'}")
             time.sleep(0.2)
         time.sleep(3.0)
-        before = _cpu_seconds(process_tree(proc.pid))
+        before = cpu_seconds(process_tree(proc.pid))
         time.sleep(window_s)
-        after = _cpu_seconds(process_tree(proc.pid))
+        after = cpu_seconds(process_tree(proc.pid))
         if read_metrics(metrics, "outer_step"):
             raise RuntimeError(f"{variant}: the averaging window ended inside the measurement")
         per_process = {f"{after[p][0]}[{p}]": round(100 * (after[p][1] - before[p][1]) / window_s, 1)

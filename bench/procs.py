@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+TICK = os.sysconf("SC_CLK_TCK")
+
 
 def process_tree(pid: int) -> list[int]:
     """``pid`` and all its live descendants, parents first (read from /proc; Linux only).
@@ -42,4 +44,16 @@ def pids_mentioning(text: str) -> list[int]:
             continue
         if text in cmdline:
             out.append(int(entry.name))
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> dict[int, tuple[str, float]]:
+    """{pid: (comm, user + system CPU seconds so far)} for the live ones of ``pids`` (/proc/PID/stat)."""
+    out = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[pid] = (Path(f"/proc/{pid}/comm").read_text().strip(), (int(fields[11]) + int(fields[12])) / TICK)
+        except OSError:
+            continue
     return out

@@ -8,7 +8,14 @@ warm-up and gradient clipping) and total token count for all four:
     ``node.outer.OuterOptimizer`` (Nesterov SGD) on θ_global, every peer restarts from θ_global;
 (c) ``DiLoCo int8``: as (b), but every Δ goes through the int8 codec round trip before the mean,
     and the mean goes through it once more (the reducer sends the encoded average back);
-(d) ``no averaging``: k peers that never communicate, each applying its own Δ (solo rounds).
+(d) ``no averaging``: k peers that never communicate, each applying its own Δ (solo rounds);
+(e) ``DiLoCo int8 overlap``: as (c), with the node's overlapped rule (node/outer_sync.py, eager
+    updates, arXiv 2502.12996): at each hand-off a peer jumps to ``OuterOptimizer.preview`` of its own
+    Δ and trains on; the round's average is applied with ``OuterSync.apply`` at the END of the next
+    phase (the most stale a round can be: the conservative case). The last round is applied after
+    the last phase, so every variant ends with the same tokens in θ_global;
+(f) ``DiLoCo int8 overlap, ⅓ late``: as (e), but each round is applied after the first third of the
+    next phase (a round that takes a third of a phase: the design point of ``bench overlap``).
 
 The k DiLoCo peers are **simulated inside one process**: their H inner steps run one replica
 after the other, then the outer step. Each replica draws batches from its own
@@ -32,10 +39,13 @@ import torch
 
 from bench.common import human_bytes, md_table
 
-VARIANTS = ("data-parallel", "DiLoCo fp32", "DiLoCo int8", "no averaging")
 # A second model, same corpus, tokens and settings: a transformers Llama (models/hf.py) with a byte vocabulary.
 LLAMA_ROW_PRESET = "llama-tiny"
 LLAMA_ROW_VARIANTS = ("data-parallel", "DiLoCo int8")
+VARIANTS = ("data-parallel", "DiLoCo fp32", "DiLoCo int8", "no averaging", "DiLoCo int8 overlap",
+            "DiLoCo int8 overlap, ⅓ late")
+# the overlapped variants: after which share of the next phase each round is applied
+OVERLAP_APPLY_AFTER = {"DiLoCo int8 overlap": 1.0, "DiLoCo int8 overlap, ⅓ late": 1 / 3}
 
 SIZES = {
     "smoke": {"preset": "tiny", "k": 4, "batch": 2, "seq_len": 32, "H": 2, "outer_steps": 2, "eval_batch": 4,
@@ -119,6 +129,8 @@ def run_variant(variant: str, cfg: dict[str, Any], threads: int) -> dict[str, An
             step = _train_steps(model, opt, sampler.batches_for_outer_step(t, H), step, warmup)
             train_s += time.perf_counter() - t0
             curve.append([(t + 1) * tokens_per_outer, evaluate(model, eval_set, "cpu")])
+    elif variant in OVERLAP_APPLY_AFTER:
+        curve, train_s = _run_overlap(cfg, corpus, eval_set, warmup, OVERLAP_APPLY_AFTER[variant])
     else:
         from diloco_swarm.averaging import codec
 
@@ -163,6 +175,72 @@ def run_variant(variant: str, cfg: dict[str, Any], threads: int) -> dict[str, An
     return {"variant": variant, "curve": curve, "train_s": train_s, "wall_s": time.perf_counter() - t_start,
             "cpu_s": time.process_time() - c_start,
             "threads": threads, "warmup_steps": warmup}
+
+
+def _run_overlap(cfg, corpus, eval_set, warmup: int, apply_after: float = 1.0) -> tuple[list, float]:
+    """(e), (f): k peers with the node's overlapped outer step, each round applied after
+    ``apply_after`` × H inner steps of the next phase (1.0: at its end, the most stale).
+
+    Every peer has its own ``OuterOptimizer`` (all hold the same θ_global, as the members of a
+    verified round do) wrapped in an ``OuterSync``: the hand-off is ``preview`` + θ_local ← θ̂, the
+    application ``OuterSync.apply(Δ̄, θ̂)`` (θ_global step, θ_local += θ_global_new − θ̂).
+    :returns: the loss curve of θ_global (a point per applied round, at that round's tokens) and train seconds.
+    """
+    from diloco_swarm.averaging import codec
+    from diloco_swarm.data import BatchSampler, evaluate
+    from diloco_swarm.models import build_model
+    from diloco_swarm.node.outer import OuterOptimizer
+    from diloco_swarm.node.outer_sync import OuterSync
+
+    k, b, T, H, N = cfg["k"], cfg["batch"], cfg["seq_len"], cfg["H"], cfg["outer_steps"]
+    tokens_per_outer = k * b * T * H
+    replicas = [build_model(cfg["preset"], seed=SEED) for _ in range(k)]
+    params = [list(r.parameters()) for r in replicas]
+    opts = [_inner_opt(p) for p in params]
+    samplers = [BatchSampler(corpus.train, b, T, seed=SEED, stream_id=f"peer-{i}") for i in range(k)]
+    outers = [OuterOptimizer(p, lr=OUTER_LR, momentum=OUTER_MOMENTUM) for p in params]
+    syncs = [OuterSync(o, p, lambda *_: None, overlap=True) for o, p in zip(outers, params)]
+    evaluator = build_model(cfg["preset"], seed=SEED)
+
+    def eval_global():
+        outers[0].copy_to(evaluator.parameters())
+        return evaluate(evaluator, eval_set, "cpu")
+
+    curve, train_s, steps = [[0, eval_global()]], 0.0, [0] * k
+    pending = None  # (round index, Δ̄, [θ̂ per peer]) of the round in flight
+    try:
+        for t in range(N + 1):
+            t0 = time.perf_counter()
+            batches = [list(smp.batches_for_outer_step(t, H)) if t < N else [] for smp in samplers]
+            split = round(apply_after * H) if pending is not None else H
+            for i, rep in enumerate(replicas):  # the part of the phase before the previous round ends
+                steps[i] = _train_steps(rep, opts[i], batches[i][:split], steps[i], warmup)
+            applied = None
+            if pending is not None:  # the previous round ends
+                applied, mean, estimates = pending
+                for s, est in zip(syncs, estimates):
+                    s.apply(mean, est)
+                pending = None
+            for i, rep in enumerate(replicas):  # the rest of the phase
+                steps[i] = _train_steps(rep, opts[i], batches[i][split:], steps[i], warmup)
+            if t < N:  # hand-off: Δ from the (just updated) θ_global, θ_local ← θ̂
+                deltas = [_int8_roundtrip(o.pseudo_gradient(p), codec) for o, p in zip(outers, params)]
+                estimates = []
+                for o, p, d in zip(outers, params, deltas):
+                    est = o.preview(d)
+                    with torch.no_grad():
+                        for q, e in zip(p, est):
+                            q.copy_(e)
+                    estimates.append(est)
+                mean = _int8_roundtrip([sum(ds) / k for ds in zip(*deltas)], codec)
+                pending = (t, mean, estimates)
+            train_s += time.perf_counter() - t0
+            if applied is not None:
+                curve.append([(applied + 1) * tokens_per_outer, eval_global()])
+    finally:
+        for s in syncs:
+            s.abandon(timeout=0.0)
+    return curve, train_s
 
 
 def _int8_roundtrip(tensors, codec):
@@ -213,6 +291,8 @@ def _bytes_per_peer(cfg, P: int) -> dict[str, float]:
         "DiLoCo fp32": f * 4 * P * N,
         "DiLoCo int8": f * P * (codec.wire_bytes(P) / P) * N,
         "no averaging": 0.0,
+        "DiLoCo int8 overlap": f * P * (codec.wire_bytes(P) / P) * N,
+        "DiLoCo int8 overlap, ⅓ late": f * P * (codec.wire_bytes(P) / P) * N,
     }
 
 
@@ -233,8 +313,9 @@ def run(size: str) -> dict[str, Any]:
     else:
         ctx = mp.get_context("spawn")  # fresh interpreters: no OpenMP state inherited through fork
         with ctx.Pool(workers) as pool:
-            # pair a cheap and a dear variant per worker: (a)+(d) and (b)+(c)
-            order = ["data-parallel", "DiLoCo fp32", "no averaging", "DiLoCo int8"]
+            # the dear ones first, so the two workers end about together
+            order = ["DiLoCo int8", "DiLoCo int8 overlap", "DiLoCo int8 overlap, ⅓ late", "DiLoCo fp32",
+                     "no averaging", "data-parallel"]
             results = pool.starmap(run_variant, [(v, cfg, threads) for v in order], chunksize=1)
         results.sort(key=lambda r: VARIANTS.index(r["variant"]))
     wall = time.perf_counter() - t0
@@ -283,7 +364,7 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         md_table(["variant", "loss at start", "final held-out loss", "best", "bytes sent per peer (whole run)",
                   "train s (wall)", "CPU s"], rows),
     ]
-    dp, f32, i8, solo = (by.get(v) for v in VARIANTS)
+    dp, f32, i8, solo, i8o, i8o3 = (by.get(v) for v in VARIANTS)
     if dp and f32 and i8 and solo:
         md.append(
             f"\nFinal loss differences (same run): int8 − fp32 DiLoCo = **{i8['final_loss'] - f32['final_loss']:+.4f}**; "
@@ -303,16 +384,28 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         if "data-parallel" in lby and "DiLoCo int8" in lby:
             md.append(f"\n{llama['preset']}: DiLoCo int8 − data-parallel = "
                       f"**{lby['DiLoCo int8']['final_loss'] - lby['data-parallel']['final_loss']:+.4f}** at equal tokens.\n")
+    if i8 and i8o:
+        d = i8o["final_loss"] - i8["final_loss"]
+        md.append(
+            f"\nOverlapped vs blocking rounds (int8, k = {k}, each round applied one full phase late, the most stale "
+            f"the node allows): final held-out loss {i8o['final_loss']:.4f} vs {i8['final_loss']:.4f}, "
+            f"**{d:+.4f} ({100 * d / i8['final_loss']:+.2f}%)** (target: within 1%)"
+            + (f"; applied after a third of the next phase (a round a third of a phase long): "
+               f"{i8o3['final_loss']:.4f}, **{i8o3['final_loss'] - i8['final_loss']:+.4f} "
+               f"({100 * (i8o3['final_loss'] - i8['final_loss']) / i8['final_loss']:+.2f}%)**" if i8o3 else "")
+            + ".\n")
     cal = result["calibration_ms_per_step"]
     md.append(f"\nThreads: one inner step (batch {cfg['batch']}) took {cal['1']:.0f} ms with "
               f"`torch.set_num_threads(1)` and {cal['2']:.0f} ms with 2 (median, interleaved; 2 threads are used only "
               f"when {TWO_THREAD_MARGIN:g}× faster, since 2-thread steps slow down badly when other jobs "
               f"load the CPUs); the run used "
               f"{result['threads']} thread(s) per process and {result['workers']} worker process(es), "
-              f"{result['train_wall_s']:.0f} s wall for the four variants"
+              f"{result['train_wall_s']:.0f} s wall for the {len(result['variants'])} variants"
               + (f", which used {sum(r['cpu_s'] for r in result['variants']):.0f} CPU seconds in all (the wall time "
                  f"depends on what else runs on the machine; see the load average below)"
                  if all(r.get("cpu_s") is not None for r in result["variants"]) else "") + ".\n")
+    for note in result.get("notes", []):  # e.g. a variant added to a result by a later invocation
+        md.append(f"\n*Note:* {note}\n")
     png = _plot(result, docs_dir)
     md.append(f"\n![held-out loss vs tokens]({png})\n")
     return "\n".join(md)
@@ -326,7 +419,9 @@ def _plot(result, docs_dir: Path) -> str:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     styles = {"data-parallel": ("k", "-", "o"), "DiLoCo fp32": ("tab:blue", "-", "s"),
-              "DiLoCo int8": ("tab:orange", "--", "^"), "no averaging": ("tab:red", ":", "x")}
+              "DiLoCo int8": ("tab:orange", "--", "^"), "no averaging": ("tab:red", ":", "x"),
+              "DiLoCo int8 overlap": ("tab:green", "-.", "v"),
+              "DiLoCo int8 overlap, ⅓ late": ("tab:purple", "-.", "D")}
     for r in result["variants"]:
         c = r["curve"]
         xs = [p[0] / 1e6 for p in c]

@@ -35,6 +35,20 @@ def test_every_benchmark_runs_at_toy_size(tmp_path):
     done = [(a["action"], a["peer"]) for a in churn["actions"]]
     assert ("kill", "p1") in done or ("kill", "p0") in done, f"the churn schedule killed nobody: {done}"
     assert any(a == "restart" for a, _ in done), f"the killed node was not restarted: {done}"
+    overlap = json.loads((out / "overlap.smoke.json").read_text())
+    for mode, run in overlap["modes"].items():
+        assert [p["exit_code"] for p in run["peers"]] == [0, 0], (mode, [p["log_tail"] for p in run["peers"]])
+    # the pair averaged (both modes); each node of the alone run never met anybody
+    for mode in ("overlap", "blocking"):
+        assert all(2 in p["group_sizes"] for p in overlap["modes"][mode]["peers"]), overlap["modes"][mode]
+    assert all(set(p["group_sizes"]) == {1} for p in overlap["modes"]["alone"]["peers"])
+    assert "overlap ÷ alone" in text and "lone-peer ratio" in text
+    speeds = json.loads((out / "speeds.smoke.json").read_text())
+    for run in speeds["variants"].values():
+        assert [p["exit_code"] for p in run["peers"]] == [0, 0, 0], [p["log_tail"] for p in run["peers"]]
+        assert all(3 in p["group_sizes"] for p in run["peers"]), run  # the three peers met at least once
+    assert [p["slow"] for p in speeds["variants"]["mixed"]["peers"]] == [False, False, True]
+    assert "The slow peer joined" in text
 
 
 @pytest.mark.timeout(60)

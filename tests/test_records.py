@@ -106,6 +106,9 @@ def test_normalize_snapshot_coerces_clamps_and_drops():
     assert normalize_snapshot(snapshot(theta_marks="junk"), now=1.0)["theta_marks"] == []
     # exactly what the DHT's SchemaValidator accepts: parsing changes nothing
     assert PeerRecord.parse_obj(out).dict() == out
+    # every field of the record is kept (a field the schema has and this drops makes the DHT refuse every record)
+    assert set(out) == set(PeerRecord.__fields__)
+    assert normalize_snapshot(snapshot(inner_step_s=0.25), now=1.0)["inner_step_s"] == 0.25
 
 
 def test_record_key_persists_with_0600(tmp_path):
