@@ -206,8 +206,8 @@ class Node(Startup, StateSync):
         # must not take tiny steps, or its own Δ-based norm bounds would reject every honest part
         phase_index = self.outer_step + int(self.sync.in_flight)
         # when we expect to hand this phase off: a round's leader waits for peers about to arrive
+        # (the record publisher sends it within its 5 s period: no extra DHT store per phase)
         self.stats.phase_eta = time.time() + target * self.stats.inner_step_s if self.stats.inner_step_s else 0.0
-        self._housekeeping.submit(self.records.publish_now)
         self.model.train()
         losses, tokens, steps = [], 0, 0
         t_last = time.monotonic()
