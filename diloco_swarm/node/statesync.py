@@ -31,12 +31,12 @@ EVIDENCE_RETRY_S = 0.5  # a fresh round's output may take a moment to reach its 
 
 @dataclass
 class Evidence:
-    """What other peers' signed records back (the node's own record is no evidence for it).
+    """What the swarm's signed records back, as one node sees it.
 
     ``supported_step``: the newest outer step that at least :data:`EVIDENCE_QUORUM` distinct record
     owners (signing keys) have reached, or all of them when fewer are online: one peer claiming
     to be far ahead does not move it. ``vouched``: the (outer step, θ digest) pairs that as many
-    owners hold in their θ marks, with the peer ids of their holders.
+    owners hold in their θ marks, this node included, with the peer ids of the other holders.
     """
 
     supported_step: int = 0
@@ -76,9 +76,13 @@ class DownloadedState:
     reason: str  # join | diverged | lagging
 
 
-def gather_evidence(entries, me: str, my_step: int = 0) -> Evidence:
+def gather_evidence(entries, me: str, my_step: int = 0, my_marks=()) -> Evidence:
     """:class:`Evidence` from ``dht.records.read_peer_entries`` output (verified, signed records),
-    seen by peer ``me`` at outer step ``my_step`` (our own step backs claims up to it).
+    seen by peer ``me`` at outer step ``my_step`` with θ marks ``my_marks`` ((step, digest) pairs).
+
+    Our own step backs claims up to it, and our own marks vouch with one other owner's: we trust
+    our own state. Counting ourselves also makes every member of a round rank the same states the
+    same way, so they agree on the canonical one.
 
     One peer's word, however advanced, never makes a state canonical: owner keys sign the records,
     so a single hostile peer cannot speak for others (docs/architecture.md, threat model).
@@ -88,6 +92,8 @@ def gather_evidence(entries, me: str, my_step: int = 0) -> Evidence:
     claims: dict[tuple[int, str], dict[str, str]] = {}  # state -> {owner: the peer id its record names}
     steps: dict[str, int] = {}  # owner -> its outer step
     evidence = Evidence()
+    for step, digest in marks_of(list(my_marks)).items():
+        claims.setdefault((step, digest), {})[""] = me  # "": our own key, never an owner fingerprint
     for entry in entries or []:
         record = entry.record
         if record is None or record.peer_id == me:
@@ -101,7 +107,8 @@ def gather_evidence(entries, me: str, my_step: int = 0) -> Evidence:
     # a step that we reached ourselves backs a peer's claim up to it: we trust our own state
     evidence.supported_step = max(ranked[quorum - 1] if len(ranked) >= quorum else 0,
                                   min(my_step, ranked[0]) if ranked else 0)
-    evidence.vouched = {state: set(who.values()) for state, who in claims.items() if len(who) >= quorum}
+    vouch_quorum = min(EVIDENCE_QUORUM, len(steps) + 1)
+    evidence.vouched = {state: set(who.values()) - {me} for state, who in claims.items() if len(who) >= vouch_quorum}
     return evidence
 
 
@@ -171,7 +178,8 @@ class StateSync:
         """:func:`gather_evidence` from a fresh read of the swarm's signed records."""
         from diloco_swarm.dht.records import read_peer_entries
 
-        return gather_evidence(read_peer_entries(self.dht, self.spec.run_id), self.peer_id, self.outer_step)
+        return gather_evidence(read_peer_entries(self.dht, self.spec.run_id), self.peer_id, self.outer_step,
+                               self.stats.theta_marks.copy())
 
 
 
