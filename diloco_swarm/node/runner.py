@@ -158,10 +158,15 @@ class Node(Startup, StateSync):
                 self.status.log("stopped during start-up")
                 return False
             raise
+        if self.stop.requested:  # a stop during the (long) set-up: nothing trained, nothing to save
+            self.status.log("stopped during start-up")
+            return False
         self._supervise()
         self.stop.training = True
         self._wait_for_peers()
         self._join_sync()
+        if self.stop.requested:
+            return True  # the loop does not start; the leave writes the stop event
         self._evaluate(force=True)
         self.metrics.write({"event": "eval", "peer_id": self.peer_id, "outer_step": self.outer_step,
                             "eval_loss": self.stats.eval_loss})
@@ -225,7 +230,12 @@ class Node(Startup, StateSync):
             losses.append(loss)
             self.stats.inner_s += time.monotonic() - t0
             if self.sync.done():
+                syncs = self.stats.state_syncs
                 self._apply_round(during_inner_step=steps)
+                if self.stats.state_syncs != syncs:
+                    # θ_local restarted from an adopted state: the phase (and its Δ) starts over, or our
+                    # next Δ would be a few steps long and the group's norm bounds would refuse honest parts
+                    steps, tokens, losses, inner_before = 0, 0, [], self.stats.inner_s
             now = time.monotonic()
             if now - t_last >= 1.0:
                 self._status(inner_step=steps, loss=sum(losses[-20:]) / len(losses[-20:]),
