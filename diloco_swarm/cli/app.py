@@ -287,8 +287,11 @@ def demo(
         check_port("127.0.0.1", port)
     except InputError as e:
         raise fail(str(e))
-    code = run_demo(peers=peers, outer_steps=outer_steps, inner_steps=inner_steps, port=port, workdir=workdir,
-                    dataset=dataset, console=err)
+    try:
+        code = run_demo(peers=peers, outer_steps=outer_steps, inner_steps=inner_steps, port=port, workdir=workdir,
+                        dataset=dataset, console=err)
+    except OSError as e:  # --workdir is a file, or not writable
+        raise fail(f"--workdir {workdir}: {e.strerror or e}")
     raise typer.Exit(code)
 
 
