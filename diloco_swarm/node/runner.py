@@ -235,6 +235,7 @@ class Node(Startup, StateSync):
                 if self.stats.state_syncs != syncs:
                     # θ_local restarted from an adopted state: the phase (and its Δ) starts over, or our
                     # next Δ would be a few steps long and the group's norm bounds would refuse honest parts
+                    self.stats.wasted_inner_s += self.stats.inner_s - inner_before
                     steps, tokens, losses, inner_before = 0, 0, [], self.stats.inner_s
             now = time.monotonic()
             if now - t_last >= 1.0:
