@@ -17,7 +17,8 @@ INT8_TOLERANCE = 0.02  # relative; a canonical round makes peers bit-identical, 
 
 @pytest.mark.timeout(420)  # 3 nodes plus a `status` run; slow on a busy 2-core machine
 def test_three_peers_train_average_and_agree(tmp_path):
-    with Swarm(tmp_path, "swarm3", extra=["--max-outer-steps", "4", "--wait-for-peers", "3"]) as swarm:
+    # 8 outer steps: the nodes must still be up when the `status` call below reaches them on a busy machine
+    with Swarm(tmp_path, "swarm3", extra=["--max-outer-steps", "8", "--wait-for-peers", "3"]) as swarm:
         a = swarm.start("a")
         b = swarm.start("b", initial=a, wait_start=False)
         c = swarm.start("c", initial=a, wait_start=False)
