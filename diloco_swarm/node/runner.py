@@ -238,7 +238,7 @@ class Node(Startup, StateSync):
                     self.stats.wasted_inner_s += self.stats.inner_s - inner_before
                     steps, tokens, losses, inner_before = 0, 0, [], self.stats.inner_s
             now = time.monotonic()
-            if now - t_last >= 1.0:
+            if now - t_last >= 1.0 and losses:  # (empty right after a restarted phase)
                 self._status(inner_step=steps, loss=sum(losses[-20:]) / len(losses[-20:]),
                              tokens_per_s=tokens_window / max(now - t_last, 1e-9))
                 t_last, tokens_window = now, 0
