@@ -185,9 +185,10 @@ class StateSync:
 
     def _reconcile(self, gathered: dict[str, Any], mine: tuple[int, str]) -> "DownloadedState | None":
         """After a round: if the group's members started it from different θ_global, the
-        members not holding the canonical one (among states a member can donate: newest outer
-        step, then most members, then digest order) download it from one that does; and a peer more
-        than one outer step behind the swarm's newest downloads too (lagging peer).
+        members not holding the canonical one (among the states the swarm's records back and a
+        member can donate: newest outer step, then vouched, then most members, then digest order)
+        download it from one that does; and a peer more than one outer step behind the supported
+        step downloads too (lagging peer). See :class:`Evidence`.
         :returns: the state to adopt instead of applying the round, or None."""
         entries: dict[str, tuple[int, str]] = {}
         for peer, meta in gathered.items():
