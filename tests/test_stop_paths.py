@@ -56,6 +56,9 @@ def send(node: NodeProc, sig: int, group: bool) -> None:
 
 
 def checkpoint_step(node: NodeProc) -> int:
+    """The checkpoint's outer step; 0 when there is none yet (stopped before its first outer step)."""
+    if not (node.state_dir / "checkpoint.pt").exists():
+        return 0
     state = torch.load(node.state_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
     assert all(torch.isfinite(t).all() for t in state["outer"]["theta"])
     return int(state["outer_step"])
