@@ -285,6 +285,18 @@ class PseudoGradientAverager(DecentralizedAverager):
         return await super()._step(step=step, future_for_init=future_for_init)
 
     async def _shutdown(self, timeout) -> None:
+        # hivemind 1.1.12 calls .finalize() on the values of _running_groups, which are futures of the
+        # runners (a traceback when a node stops mid all-reduce): finalize the runners ourselves
+        remaining = set()
+        for group in list(self._running_groups.values()):
+            with contextlib.suppress(Exception):
+                if group.done() and not group.cancelled():
+                    remaining.update(group.result().finalize(cancel=True))
+                else:
+                    group.cancel()
+        self._running_groups.clear()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.gather(*remaining, return_exceptions=True), timeout)
         try:
             await super()._shutdown(timeout)
         finally:
