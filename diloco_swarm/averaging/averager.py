@@ -44,10 +44,13 @@ logger = get_logger(__name__)
 
 
 class _QuietExpectedFailures(logging.Filter):
-    """hivemind logs a full traceback at ERROR when no group formed; we report solo rounds ourselves."""
+    """hivemind logs a full traceback at ERROR when no group formed, and when a stop ends an all-reduce
+    in flight; we report solo and abandoned rounds ourselves."""
+
+    EXPECTED = ("could not find a group", "All-reduce was terminated during iteration")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "could not find a group" not in record.getMessage()
+        return not any(text in record.getMessage() for text in self.EXPECTED)
 
 
 logging.getLogger("hivemind.averaging.averager").addFilter(_QuietExpectedFailures())
