@@ -25,7 +25,9 @@ if _why:
     pytestmark.append(pytest.mark.skip(reason=_why))
 
 INT8_TOLERANCE = 0.03  # relative L2 error of a blockwise-int8 average
-BASE_ARGS = ["--host", "0.0.0.0", "--wait-for-peers", "4"]
+# Blocking sync mode: these tests stage who enters matchmaking first (test (b)); the rounds they check
+# are the same in both modes, and overlapped rounds are tested on 127.0.0.1 (tests/test_overlap.py).
+BASE_ARGS = ["--host", "0.0.0.0", "--wait-for-peers", "4", "--sync-mode", "blocking"]
 NODE_ARGS = [*BASE_ARGS, "--max-outer-steps", "3"]
 FORCED_STEPS = 3  # test (b)
 
