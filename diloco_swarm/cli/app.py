@@ -24,10 +24,10 @@ app = typer.Typer(
     name="diloco-node",
     help=(
         "Train a shared language model with strangers' GPUs and CPUs over the internet.\n\n"
-        "Each node trains locally for H inner steps, then averages its int8 pseudo-gradient with a "
-        "small group of peers found through a DHT, and applies an outer Nesterov step (DiLoCo, "
-        "arXiv 2311.08105). Start a swarm with `diloco-node join`, or see one on this machine "
-        "with `diloco-node demo`."
+        "Each node trains locally for H inner steps, then averages its int8 pseudo-gradient with the "
+        "swarm's peers found through a DHT and applies an outer Nesterov step (DiLoCo, arXiv "
+        "2311.08105), training on while the round runs. Start a swarm with `diloco-node join`, or "
+        "see one on this machine with `diloco-node demo`."
     ),
     no_args_is_help=True,
     add_completion=False,
