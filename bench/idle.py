@@ -37,7 +37,7 @@ MAIN_DOC = ROOT / "docs" / "benchmarks.md"
 VARIANTS = {"stock": "0", "paced": None}
 NODE_ARGS = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--inner-steps", "5",
              "--max-dataset-bytes", "300000", "--threads", "1", "--device", "cpu", "--matchmaking-time", "3",
-             "--averaging-window", "60", "--host", "127.0.0.1", "--port", "0"]
+             "--averaging-window", "60", "--sync-mode", "blocking", "--host", "127.0.0.1", "--port", "0"]
 START_TIMEOUT_S = 240.0
 
 

@@ -13,8 +13,9 @@ partitioning, load balancing and timeouts:
    end the round with bit-identical values.
 2. Incoming parts are checked before they are summed: the sender must use our codec, its
    weight must be finite and within bounds, its values finite, and their RMS no more than
-   ``max_part_rms_ratio`` times the reducer's own part (or a tiny absolute floor). A sender
-   that breaks a rule is banned from the round and named in the round report.
+   ``max_part_rms_ratio`` times the reducer's own part, scaled by how many more tokens the
+   sender trained on (:func:`allowed_scale`); our own part counts as at least ``RMS_FLOOR``. A sender that breaks a
+   rule is refused for the round and named in the round report.
 3. Bytes on the wire and every failure (banned sender, failed reducer) are counted for the
    round report, because ``DecentralizedAverager.step()`` returns normally even when no part
    arrived.
@@ -38,7 +39,18 @@ logger = get_logger(__name__)
 
 MAX_SENDER_WEIGHT = 1e12  # tokens; far above any honest round
 REFUSED_OUR_PART = "refused our part"  # a reducer's reason in RoundStats.failed_reducers when it refused us
-_RMS_FLOOR = 1e-3  # absolute RMS an incoming part may always have (covers an all-zero local part)
+RMS_FLOOR = 1e-3  # the smallest RMS our own Δ counts as in the size bounds (covers an all-zero local part)
+MAX_WEIGHT_SCALE = 64.0  # most an honest Δ's size bound grows for a sender that trained more tokens than us
+SIZE_REASON = "above the bound"  # in a refusal for Δ size: a judgement, so the sender is avoided for a while, not banned
+
+
+def allowed_scale(ratio: float, weight: float, own_weight: float) -> float:
+    """How much larger than ours a member's Δ may be: ``ratio`` × its tokens / our tokens, within
+    [1, MAX_WEIGHT_SCALE]. Δ grows with the inner steps behind it, and an honest phase can be far
+    longer than ours (DyLU sizes phases by speed; an overlapped phase runs on while its round is in
+    flight), so a fixed bound against our own Δ refused honest peers. The cap keeps a sender that
+    claims a huge weight from also sending a huge Δ."""
+    return ratio * min(max(1.0, weight / max(own_weight, 1e-12)), MAX_WEIGHT_SCALE)
 
 
 @dataclass
@@ -70,7 +82,8 @@ class ConsensusAllReduceRunner(AllReduceRunner):
     and shapes of ``tensors``. See the module docstring for the rules.
 
     :param stats: filled in during the round.
-    :param max_part_rms_ratio: bound on an incoming part's RMS relative to ours.
+    :param max_part_rms_ratio: bound on an incoming part's RMS relative to ours, for a sender
+        with our weight (:func:`allowed_scale`).
     """
 
     def __init__(self, *args, stats: RoundStats, max_part_rms_ratio: float, **kwargs):
@@ -167,10 +180,11 @@ class ConsensusAllReduceRunner(AllReduceRunner):
             return "sent a part of the wrong shape"
         if not torch.isfinite(tensor_part).all():
             return "sent non-finite values"
-        bound = max(self.max_part_rms_ratio * self._local_part_rms[part_index], _RMS_FLOOR)
+        scale = allowed_scale(self.max_part_rms_ratio, weight, self.weight)
+        bound = scale * max(self._local_part_rms[part_index], RMS_FLOOR)
         part_rms = _rms(tensor_part)
         if part_rms > bound:
-            return f"sent a part with RMS {part_rms:.3g}, above the bound {bound:.3g}"
+            return f"sent a part with RMS {part_rms:.3g}, {SIZE_REASON} {bound:.3g}"
         return None
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):

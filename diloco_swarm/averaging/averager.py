@@ -34,7 +34,14 @@ from hivemind.utils import MPFuture, get_dht_time, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
-from diloco_swarm.averaging.allreduce import REFUSED_OUR_PART, ConsensusAllReduceRunner, RoundStats
+from diloco_swarm.averaging.allreduce import (
+    REFUSED_OUR_PART,
+    RMS_FLOOR,
+    SIZE_REASON,
+    ConsensusAllReduceRunner,
+    RoundStats,
+    allowed_scale,
+)
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
 from diloco_swarm.averaging.reachability import Responder
 from diloco_swarm.dht.calls import ChildGone, ChildUnavailable, bounded, dht_get, dht_store
@@ -127,7 +134,8 @@ class PseudoGradientAverager(DecentralizedAverager):
     :param allreduce_timeout: seconds the all-reduce may take once the group formed.
     :param next_chunk_timeout: seconds without a part before a peer counts as failed.
     :param max_norm_ratio: a received average whose norm exceeds this multiple of our own
-        Δ's norm is discarded (hostile or broken peer); also bounds each incoming part's RMS.
+        Δ's norm is discarded (hostile or broken peer); also bounds each incoming part's RMS. The
+        multiple grows with the largest weight in the group over ours (``allreduce.allowed_scale``).
     """
 
     compressions: dict[str, type[CompressionBase]] = COMPRESSIONS  # by --compression; faults.py swaps in broken ones
@@ -247,7 +255,9 @@ class PseudoGradientAverager(DecentralizedAverager):
             stats = self._round_stats.pop(group_info.group_id.hex(), RoundStats())
             self._round_stats.clear()
             for peer, reason in stats.rejected_senders.items():
-                if "too slow" not in reason and "did not send all parts" not in reason:
+                if SIZE_REASON in reason:  # a judgement on an unusual Δ, not proof: avoid it a while
+                    self._avoid(peer, AVOID_REFUSER_S, f"its Δ was too large ({reason})")
+                elif "too slow" not in reason and "did not send all parts" not in reason:
                     self._banned_peers.add(peer)  # broke the protocol: never lead it again
             for peer, reason in stats.failed_reducers.items():
                 # Our part was valid (we are honest): that reducer refuses honest members. A reducer
@@ -412,7 +422,8 @@ class PseudoGradientAverager(DecentralizedAverager):
 
         :param delta: this peer's pseudo-gradient, fp32, shapes of the averaged tensors.
         :param weight: tokens this peer processed since its last sync (> 0).
-        :param metadata: small msgpack-able dict gathered from every member (outer step...).
+        :param metadata: small msgpack-able dict gathered from every member (outer step...); the
+            averager adds ``weight`` to it.
         :param timeout: seconds to wait for a group before giving up (a solo round).
         :param digest_wait: seconds to wait for every other member's digest of the average
             (returns as soon as all arrived or one differs); a member still silent then makes
@@ -435,7 +446,7 @@ class PseudoGradientAverager(DecentralizedAverager):
                 return self._solo(started, reason="the averager process is gone"), local
             if scheduled_time is not None:
                 scheduled_time = min(scheduled_time, get_dht_time() + 0.9 * timeout)
-            control = self.step(weight=float(weight), gather=metadata, timeout=timeout, allow_retries=True, wait=False,
+            control = self.step(weight=float(weight), gather={**metadata, "weight": float(weight)}, timeout=timeout, allow_retries=True, wait=False,
                                 scheduled_time=scheduled_time)
             # hivemind bounds the step in the averager process; this bounds our wait if that process dies
             deadline = time.monotonic() + timeout + self._allreduce_timeout_s + 30.0
@@ -474,7 +485,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         )
         with self.get_tensors() as buffers:
             averaged = [b.clone() for b in buffers]
-        problem = self._check_round(stats, local, averaged)
+        problem = self._check_round(stats, local, averaged, weight=float(weight), gathered=gathered)
         if problem is None:
             result.digest = tensors_digest(averaged)
             problem = self._cross_check(stats, result, digest_wait, stop)
@@ -491,7 +502,8 @@ class PseudoGradientAverager(DecentralizedAverager):
     def _solo(self, started: float, reason: str) -> RoundResult:
         return RoundResult(ok=False, group_size=1, reason=reason, seconds=time.perf_counter() - started)
 
-    def _check_round(self, stats: RoundStats, local, averaged) -> str | None:
+    def _check_round(self, stats: RoundStats, local, averaged, *, weight: float,
+                     gathered: dict[str, Any]) -> str | None:
         if len(stats.group_peer_ids) < 2:
             return "no group formed"
         if stats.rejected_senders:
@@ -502,8 +514,10 @@ class PseudoGradientAverager(DecentralizedAverager):
             return "the average is not finite"
         local_norm = torch.sqrt(sum(d.pow(2).sum() for d in local)).item()
         avg_norm = torch.sqrt(sum(a.pow(2).sum() for a in averaged)).item()
-        if avg_norm > self.max_norm_ratio * max(local_norm, 1e-12):
-            return f"the average's norm {avg_norm:.3g} exceeds {self.max_norm_ratio:g}x our own ({local_norm:.3g})"
+        scale = allowed_scale(self.max_norm_ratio, _largest_weight(gathered), weight)
+        floor = RMS_FLOOR * math.sqrt(sum(d.numel() for d in local))  # the parts' RMS floor, as a norm
+        if avg_norm > scale * max(local_norm, floor):
+            return f"the average's norm {avg_norm:.3g} exceeds {scale:.3g}x our own ({local_norm:.3g})"
         return None
 
     def _round_key(self, stats: RoundStats) -> str:
@@ -573,6 +587,16 @@ def state_donors(dht: DHT, prefix: str) -> dict[str, float]:
             except Exception:
                 continue
     return out
+
+
+def _largest_weight(gathered: dict[str, Any]) -> float:
+    """The largest ``weight`` a group member claimed in its gathered metadata (untrusted: 0 if none is valid)."""
+    largest = 0.0
+    for meta in gathered.values():
+        weight = meta.get("weight") if isinstance(meta, dict) else None
+        if isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight):
+            largest = max(largest, float(weight))
+    return largest
 
 
 def _short_reason(e: BaseException) -> str:

@@ -5,6 +5,7 @@ Every user-facing problem ends with one line on stderr and exit code 2; nothing 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # before hivemind is imported anywhere
@@ -257,16 +258,41 @@ def run_node(config) -> None:
     from diloco_swarm.dht.calls import ChildUnavailable
     from diloco_swarm.node.watchdog import EXIT_PART_LOST, PartLost
 
+    code = 0
     try:
         node_type(config.fault, config.slowdown)(config).run()
     except (DatasetError, SwarmError, SpecMismatch, CheckpointError, NodeError, CodecError, ModelError) as e:
-        raise fail(str(e))
+        code = fail(str(e)).exit_code
     except PartLost as e:  # the DHT, averager or p2pd died under the node (node/watchdog.py)
-        raise fail(str(e), EXIT_PART_LOST)
+        code = fail(str(e), EXIT_PART_LOST).exit_code
     except ChildUnavailable as e:  # during start-up
-        raise fail(f"{e}; the node stopped before training. Start it again", EXIT_PART_LOST)
+        code = fail(f"{e}; the node stopped before training. Start it again", EXIT_PART_LOST).exit_code
     except OSError as e:
-        raise fail(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "))
+        code = fail(f"{e.strerror or e}: {e.filename or ''}".rstrip(": ")).exit_code
+    leave_now(code)
+
+
+def leave_now(code: int) -> None:
+    """End the process once the node has shut down, skipping interpreter finalization.
+
+    A round abandoned at stop leaves its daemon thread inside torch or bitsandbytes; finalizing the
+    interpreter under it aborts the process ("terminate called without an active exception", exit
+    -6) after everything was saved. The node has already written its checkpoint and metrics and
+    stopped its parts; a part that is somehow still alive is ended here, as multiprocessing's own
+    exit hook would."""
+    import logging
+    import multiprocessing as mp
+
+    for child in mp.active_children():
+        child.terminate()
+        child.join(timeout=2.0)
+        if child.is_alive():
+            child.kill()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 @app.command()

@@ -390,7 +390,7 @@ class Node(Startup, StateSync):
 
     def _round_metadata(self, handoff: Handoff) -> dict[str, Any]:
         """What the group's members gather from us: the θ_global we started the round from."""
-        return {"outer_step": handoff.outer_step, "tokens": handoff.tokens, "spec_hash": self.spec.spec_hash(),
+        return {"outer_step": handoff.outer_step, "spec_hash": self.spec.spec_hash(),
                 "theta_digest": handoff.theta_digest}
 
     def _donor_priority(self) -> float:

@@ -1,0 +1,76 @@
+"""The Δ size bound of the all-reduce, on two real averagers over 127.0.0.1.
+
+An honest peer that trained many more tokens than us sends a much larger Δ; it must be averaged,
+not refused (a refusal used to ban it from our groups for good: a two-peer swarm then never
+averaged again). The same Δ with our weight is still refused, and only for a while.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from diloco_swarm.averaging.allreduce import MAX_WEIGHT_SCALE, allowed_scale
+from diloco_swarm.averaging.averager import PseudoGradientAverager
+from diloco_swarm.dht.swarm import start_dht, visible_maddrs
+
+SHAPES = [(64, 32), (32,)]
+
+
+def test_allowed_scale_grows_with_the_senders_tokens_within_the_cap():
+    assert allowed_scale(10.0, 100.0, 100.0) == 10.0
+    assert allowed_scale(10.0, 50.0, 100.0) == 10.0  # fewer tokens than us: never below the ratio
+    assert allowed_scale(10.0, 400.0, 100.0) == 40.0
+    assert allowed_scale(10.0, 1e12, 1.0) == 10.0 * MAX_WEIGHT_SCALE
+    assert allowed_scale(10.0, 5.0, 0.0) == 10.0 * MAX_WEIGHT_SCALE  # our weight 0: the cap holds
+
+
+def _delta(scale: float, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [scale * 1e-2 * torch.randn(s, generator=g) for s in SHAPES]
+
+
+def _round(averagers, deltas, weights):
+    results = [None, None]
+
+    def run(i):
+        results[i] = averagers[i].average(deltas[i], weight=weights[i], metadata={}, timeout=30.0, digest_wait=10.0)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90.0)
+    assert all(r is not None for r in results), "a round did not return within 90 s"
+    return [r for r, _ in results]
+
+
+@pytest.mark.timeout(300)
+def test_a_larger_delta_from_a_peer_that_trained_more_tokens_is_averaged():
+    first = start_dht(initial_peers=[], host="127.0.0.1", port=0)
+    second = start_dht(initial_peers=visible_maddrs(first), host="127.0.0.1", port=0)
+    zeros = [torch.zeros(s) for s in SHAPES]
+    averagers = [PseudoGradientAverager([z.clone() for z in zeros], dht, prefix="size-bound", target_group_size=2,
+                                        matchmaking_time=2.0, allreduce_timeout=30.0) for dht in (first, second)]
+    try:
+        small, large = _delta(1.0, 0), _delta(30.0, 1)  # 30× the RMS: above the 10× bound at equal weight
+
+        # 1. The larger Δ behind 50× the tokens: averaged, and both members hold the same average.
+        rounds = _round(averagers, [small, large], [100.0, 5000.0])
+        assert all(r.ok and r.group_size == 2 for r in rounds), [(r.ok, r.reason) for r in rounds]
+        assert rounds[0].digest == rounds[1].digest
+
+        # 2. The same Δ with our weight: refused, and the round fails for both (nobody keeps a partial average).
+        refused = False
+        for _ in range(3):  # either peer may be the reducer of the other's part: try until the small one is
+            rounds = _round(averagers, [small, large], [100.0, 100.0])
+            assert not any(r.ok for r in rounds), [(r.ok, r.reason) for r in rounds]
+            if any("above the bound" in why for r in rounds for why in r.rejected_peers.values()):
+                refused = True
+                break
+        assert refused, [(r.reason, r.rejected_peers) for r in rounds]
+    finally:
+        for part in (*averagers, second, first):
+            part.shutdown()
