@@ -80,3 +80,34 @@ def test_three_peers_train_average_and_agree(tmp_path):
         thetas = [load_theta(n) for n in nodes]
         for other in thetas[1:]:
             assert relative_difference(thetas[0], other) < INT8_TOLERANCE
+
+
+@pytest.mark.timeout(900)  # 6 nodes (24 processes) on a busy 2-core machine
+def test_six_peers_average_as_one_group_and_hold_one_model(tmp_path):
+    """Issue 13: with the default group size the swarm averages as one group. After start-up,
+    every verified round holds all 6 peers, and they all hold one θ_global. One peer is 30% slower
+    (``--slowdown 1.3``): progress alignment waits for it within the grace window instead of
+    leaving it to a group of its own."""
+    with Swarm(tmp_path, "swarm6", extra=["--max-outer-steps", "6", "--wait-for-peers", "6"]) as swarm:
+        a = swarm.start("a")
+        others = [swarm.start(name, *(["--slowdown", "1.3"] if name == "slow" else []), initial=a, wait_start=False)
+                  for name in ("b", "c", "d", "e", "slow")]
+        nodes = (a, *others)
+        for node in nodes:
+            assert swarm.wait_exit(node, 700) == 0, node.output()[-3000:]
+
+        peers = {n.events("start")[0]["peer_id"] for n in nodes}
+        for node in nodes:
+            ok = [r for r in node.outer_steps() if r["round_ok"]]
+            print(node.name, [(r["outer_step"], r["group_size"], r["round_ok"]) for r in node.outer_steps()])
+            assert len(ok) >= 3, (node.name, node.outer_steps())
+            for r in ok:  # whole-swarm rounds: never a split into smaller groups
+                assert set(r["group"]) == peers, (node.name, r["outer_step"], r["group"])
+        # one model: at each step, every peer that verified the round holds the same θ_global
+        digests: dict[int, set[str]] = {}
+        for node in nodes:
+            held = theta_by_step(node)
+            for r in node.outer_steps():
+                if r["round_ok"]:
+                    digests.setdefault(r["outer_step"], set()).add(held[r["outer_step"]])
+        assert len(digests) >= 3 and all(len(d) == 1 for d in digests.values()), digests
