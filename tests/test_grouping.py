@@ -106,3 +106,13 @@ def test_bad_parameters_raise():
             plan_round(0, {"QmA": 1.0}, **kwargs)
     with pytest.raises(ValueError):
         plan_round(-1, {"QmA": 1.0})
+
+
+def test_majority_quorum_forbids_two_groups_in_one_round():
+    from diloco_swarm.averaging.grouping import majority_quorum
+
+    assert [majority_quorum(n) for n in range(1, 8)] == [2, 2, 2, 3, 3, 4, 4]
+    for n in range(2, 65):  # two disjoint groups of at least the quorum never fit in n peers
+        assert 2 * majority_quorum(n) > n
+    assert majority_quorum(65, max_group_size=64) == 2  # beyond one group: disjoint groups are the grid's job
+    assert majority_quorum(10, max_group_size=4) == 2

@@ -43,6 +43,7 @@ from diloco_swarm.averaging.allreduce import (
     allowed_scale,
 )
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
+from diloco_swarm.averaging.grouping import majority_quorum
 from diloco_swarm.averaging.reachability import Responder
 from diloco_swarm.dht.calls import ChildGone, ChildUnavailable, bounded, dht_get, dht_store
 from diloco_swarm.utils.hivemind_fixes import keep_task_alive
@@ -283,8 +284,11 @@ class PseudoGradientAverager(DecentralizedAverager):
         return until is not None
 
     async def _step(self, *, step, future_for_init):
-        """hivemind's step, with matchmaking that skips the leaders we avoid (installed once)."""
+        """hivemind's step, with matchmaking that skips the leaders we avoid (installed once), and
+        the round's quorum as hivemind's ``min_group_size`` (:meth:`_quorum`)."""
         matchmaking = getattr(self, "_matchmaking", None)
+        if matchmaking is not None:
+            matchmaking.min_group_size = self._quorum(step, matchmaking.target_group_size)
         if matchmaking is not None and not getattr(matchmaking, "_skips_avoided_leaders", False):
             request_join_group = matchmaking._request_join_group
 
@@ -296,6 +300,19 @@ class PseudoGradientAverager(DecentralizedAverager):
             matchmaking._request_join_group = _request_join_group
             matchmaking._skips_avoided_leaders = True
         return await super()._step(step=step, future_for_init=future_for_init)
+
+    def _quorum(self, step, max_group_size: int) -> int:
+        """``grouping.majority_quorum`` of the ``online_peers`` count that ``average()`` put in our
+        gathered data, without the peers we ban or avoid (they never join our groups); 2 without a count."""
+        try:
+            _, _, user_data = self.serializer.loads(step.data_for_gather)
+            online = self.serializer.loads(user_data).get("online_peers")
+        except Exception:
+            online = None
+        if not isinstance(online, int) or isinstance(online, bool):
+            return 2
+        shunned = len(self._banned_peers) + sum(1 for p in list(self._avoided_peers) if self._avoids(p))
+        return majority_quorum(max(1, online - shunned), max_group_size)
 
     async def _shutdown(self, timeout) -> None:
         # hivemind 1.1.12 calls .finalize() on the values of _running_groups, which are futures of the
@@ -417,6 +434,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         stop: threading.Event | None = None,
         give_up: threading.Event | None = None,
         scheduled_time: float | None = None,
+        online_peers: int | None = None,
     ) -> tuple[RoundResult, list[torch.Tensor]]:
         """Average ``delta`` with a group of peers; return the verified result.
 
@@ -433,6 +451,8 @@ class PseudoGradientAverager(DecentralizedAverager):
             a group that already formed finishes its all-reduce.
         :param scheduled_time: DHT time at which the all-reduce should begin (hivemind's
             ``step(scheduled_time=...)``): the leader waits for followers until then.
+        :param online_peers: peers of the run online now, this one included: a group must then
+            hold a strict majority of them (``grouping.majority_quorum``); None: any 2 peers.
         :returns: the round's result and the Δ to apply: the group's average when ``ok``,
             else a copy of ``delta``.
         """
@@ -446,7 +466,7 @@ class PseudoGradientAverager(DecentralizedAverager):
                 return self._solo(started, reason="the averager process is gone"), local
             if scheduled_time is not None:
                 scheduled_time = min(scheduled_time, get_dht_time() + 0.9 * timeout)
-            control = self.step(weight=float(weight), gather={**metadata, "weight": float(weight)}, timeout=timeout, allow_retries=True, wait=False,
+            control = self.step(weight=float(weight), gather={**metadata, "weight": float(weight), "online_peers": online_peers}, timeout=timeout, allow_retries=True, wait=False,
                                 scheduled_time=scheduled_time)
             # hivemind bounds the step in the averager process; this bounds our wait if that process dies
             deadline = time.monotonic() + timeout + self._allreduce_timeout_s + 30.0

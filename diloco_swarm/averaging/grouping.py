@@ -80,6 +80,24 @@ def _grid(n: int, cap: int) -> tuple[int, int]:
     return dims, side
 
 
+def majority_quorum(online: int, max_group_size: int = DEFAULT_MAX_GROUP_SIZE) -> int:
+    """The fewest members a group of this round may start with (hivemind's ``min_group_size``).
+
+    A strict majority of the ``online`` peers, so two disjoint groups can never both form in one
+    outer step: the swarm cannot split into lineages that each think their round was whole. A
+    minority that misses the round keeps looking and meets the majority's next round, where the
+    state rule (node/statesync.py) brings it onto the majority's θ_global. When the swarm is
+    larger than one group can hold, groups are necessarily disjoint (the grid above mixes them):
+    any 2 peers may form one.
+
+    :param online: peers of the run online now, this one included (≥ 1).
+    :returns: an int in [2, max_group_size].
+    """
+    if online > max_group_size:
+        return 2
+    return min(max_group_size, max(2, online // 2 + 1))
+
+
 def plan_round(
     round_no: int,
     etas: Mapping[str, float],

@@ -321,14 +321,24 @@ class Node(Startup, StateSync):
                                 "other); training solo until a public peer joins. A peer that can accept "
                                 "connections (port forwarded, or a server) lets the swarm average again")
             return RoundResult(ok=False, group_size=1, reason="no public peer: every peer is a client"), own
-        if self.sync.overlap and not self._others_online():
+        records = self._read_records()
+        others = bool(self.averager.donors()) or any(p != self.peer_id for p in records)
+        if self.sync.overlap and not others:
             return RoundResult(ok=False, group_size=1, reason="no other peer online"), own
         return self.averager.average(self._contribution(handoff.delta), weight=max(handoff.tokens, 1),
                                      metadata=self._round_metadata(handoff), timeout=self.cfg.averaging_window, stop=control.stop,
                                      give_up=control.give_up, digest_wait=DIGEST_WAIT_S,
-                                     scheduled_time=self._aligned_start(handoff))
+                                     scheduled_time=self._aligned_start(handoff, records),
+                                     online_peers=len(set(records) | {self.peer_id}))
 
-    def _aligned_start(self, handoff: Handoff) -> float | None:
+    def _read_records(self) -> dict[str, Any]:
+        """The run's signed peer records, read once per round (dht/records.py).
+        :raises ChildUnavailable: the DHT did not answer in time (the round then fails)."""
+        from diloco_swarm.dht.records import read_peer_records
+
+        return read_peer_records(self.dht, self.spec.run_id)
+
+    def _aligned_start(self, handoff: Handoff, records: dict[str, Any]) -> float | None:
         """Progress alignment: when this round's all-reduce should begin (unix time), or None for
         hivemind's default (now + ``--matchmaking-time``).
 
@@ -339,11 +349,9 @@ class Node(Startup, StateSync):
         The grace window is half a phase of ours, within [--matchmaking-time, half the averaging window].
         """
         from diloco_swarm.averaging.grouping import plan_round
-        from diloco_swarm.dht.records import read_peer_records
 
         now = time.time()
-        etas = {p: max(0.0, r.phase_eta - now) for p, r in read_peer_records(self.dht, self.spec.run_id).items()
-                if p != self.peer_id and r.phase_eta > 0}
+        etas = {p: max(0.0, r.phase_eta - now) for p, r in records.items() if p != self.peer_id and r.phase_eta > 0}
         if not etas:
             return None
         etas[self.peer_id] = 0.0
@@ -368,12 +376,6 @@ class Node(Startup, StateSync):
             dial_peers(self.dht, self.cfg.initial_peers)
             return bool(self.averager.donors())
         return False
-
-    def _others_online(self) -> bool:
-        """Whether any other peer of the run is online (a donor, or a live signed record)."""
-        from diloco_swarm.dht.records import read_peer_records
-
-        return bool(self.averager.donors()) or any(p != self.peer_id for p in read_peer_records(self.dht, self.spec.run_id))
 
     def _averager_type(self) -> type:
         """The averager class (node/faults.py substitutes faulty ones in tests)."""
