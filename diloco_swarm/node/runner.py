@@ -100,6 +100,7 @@ class Node(Startup, StateSync):
         self._checkpoints = Worker("checkpoint")  # writes, in order; never queued behind a slow DHT call
         self._last_checkpoint = None  # future of the newest checkpoint write
         self.swarm_inner_step_s: float | None = None  # the online peers' median (DyLU)
+        self.swarm_phase_eta: float | None = None  # the other online peers' median phase_eta (unix time)
         self._digest_cache: tuple[tuple[int, int], str] | None = None  # ((outer step, state syncs), digest)
 
     def run(self) -> None:
@@ -194,6 +195,14 @@ class Node(Startup, StateSync):
             return H
         return max(self.min_inner_steps, min(self.max_inner_steps, round(H * swarm / mine)))
 
+    def _steps_to_swarm_handoff(self, default: int) -> int:
+        """Inner steps until the online peers' median ``phase_eta``, within the DyLU range
+        (``default`` when neither that nor our step time is known)."""
+        eta, step_s = self.swarm_phase_eta, self.stats.inner_step_s
+        if not eta or not step_s:
+            return default
+        return max(self.min_inner_steps, min(self.max_inner_steps, round((eta - time.time()) / step_s)))
+
     def _inner_phase(self) -> Handoff | None:
         """One inner phase: DyLU-sized, extended while the previous round is still in flight.
 
@@ -233,8 +242,9 @@ class Node(Startup, StateSync):
                 syncs = self.stats.state_syncs
                 self._apply_round(during_inner_step=steps)
                 if self.stats.state_syncs != syncs:
-                    # θ_local restarted from an adopted state: the phase (and its Δ) starts over, or our
-                    # next Δ would be a few steps long and the group's norm bounds would refuse honest parts
+                    # θ_local restarted from an adopted state: its Δ starts over, and the phase now ends
+                    # when the swarm's does (a full new phase would make us late for every round after)
+                    target = self._steps_to_swarm_handoff(default=max(target - steps, self.min_inner_steps))
                     self.stats.wasted_inner_s += self.stats.inner_s - inner_before
                     steps, tokens, losses, inner_before = 0, 0, [], self.stats.inner_s
             now = time.monotonic()
@@ -516,6 +526,8 @@ class Node(Startup, StateSync):
             self.stats.peers_seen = max(1, len(records))
             speeds = sorted(r.inner_step_s for r in records.values() if r.inner_step_s > 0)
             self.swarm_inner_step_s = speeds[len(speeds) // 2] if speeds else None
+            etas = sorted(r.phase_eta for p, r in records.items() if p != self.peer_id and r.phase_eta > 0)
+            self.swarm_phase_eta = etas[len(etas) // 2] if etas else None
             self._remember_peers(records)
 
     def _record_snapshot(self) -> dict[str, Any]:
