@@ -177,9 +177,28 @@ def run_variant(variant: str, cfg: dict[str, Any], threads: int) -> dict[str, An
             "threads": threads, "warmup_steps": warmup}
 
 
-def _run_overlap(cfg, corpus, eval_set, warmup: int, apply_after: float = 1.0) -> tuple[list, float]:
+ESTIMATES = ("own", "mix", "own/k", "none")  # what θ̂ steps on at a hand-off; the node uses "own"
+
+
+def _estimate(rule: str, delta: list, last_mean: list | None, k: int) -> list:
+    """The outer gradient θ̂ = preview(·) takes: our own Δ (the node's rule); Kale et al.'s mix of Δ/k
+    with the last average for the other members' share; Δ/k alone; or none (zeros)."""
+    if rule == "own" or (rule == "mix" and last_mean is None):
+        return delta
+    if rule == "mix":
+        return [d / k + (1 - 1 / k) * m for d, m in zip(delta, last_mean)]
+    if rule == "own/k":
+        return [d / k for d in delta]
+    if rule == "none":
+        return [torch.zeros_like(d) for d in delta]
+    raise ValueError(f"unknown estimate rule {rule!r}; choose one of {', '.join(ESTIMATES)}")
+
+
+def _run_overlap(cfg, corpus, eval_set, warmup: int, apply_after: float = 1.0,
+                 estimate: str = "own") -> tuple[list, float]:
     """(e), (f): k peers with the node's overlapped outer step, each round applied after
     ``apply_after`` × H inner steps of the next phase (1.0: at its end, the most stale).
+    ``estimate`` picks what θ̂ steps on (:func:`_estimate`; bench/eager.py compares them).
 
     Every peer has its own ``OuterOptimizer`` (all hold the same θ_global, as the members of a
     verified round do) wrapped in an ``OuterSync``: the hand-off is ``preview`` + θ_local ← θ̂, the
@@ -208,6 +227,7 @@ def _run_overlap(cfg, corpus, eval_set, warmup: int, apply_after: float = 1.0) -
 
     curve, train_s, steps = [[0, eval_global()]], 0.0, [0] * k
     pending = None  # (round index, Δ̄, [θ̂ per peer]) of the round in flight
+    last_mean = None  # the average applied last
     try:
         for t in range(N + 1):
             t0 = time.perf_counter()
@@ -220,14 +240,14 @@ def _run_overlap(cfg, corpus, eval_set, warmup: int, apply_after: float = 1.0) -
                 applied, mean, estimates = pending
                 for s, est in zip(syncs, estimates):
                     s.apply(mean, est)
-                pending = None
+                pending, last_mean = None, mean
             for i, rep in enumerate(replicas):  # the rest of the phase
                 steps[i] = _train_steps(rep, opts[i], batches[i][split:], steps[i], warmup)
             if t < N:  # hand-off: Δ from the (just updated) θ_global, θ_local ← θ̂
                 deltas = [_int8_roundtrip(o.pseudo_gradient(p), codec) for o, p in zip(outers, params)]
                 estimates = []
                 for o, p, d in zip(outers, params, deltas):
-                    est = o.preview(d)
+                    est = o.preview(_estimate(estimate, d, last_mean, k))
                     with torch.no_grad():
                         for q, e in zip(p, est):
                             q.copy_(e)

@@ -111,3 +111,17 @@ def test_simscale_runs_on_the_nodes_grouping_rule(tmp_path):
               "speed_sigma": 0.5, "params": 1e8, "provenance": __import__("bench.common", fromlist=["provenance"])
               .provenance("python -m bench.simscale")}
     assert "<!-- /bench:simscale -->" in section(result, tmp_path / "x.json")
+
+
+@pytest.mark.timeout(300)
+def test_eager_benchmark_runs_at_toy_size(tmp_path):
+    from bench.common import provenance
+    from bench.eager import run, section
+    from bench.quality import ESTIMATES
+
+    result = {"name": "eager", "size": "smoke", **run("smoke")}
+    assert list(result["final_loss"]) == ["blocking", *ESTIMATES]
+    assert all(loss == loss and loss > 0 for loss in result["final_loss"].values())  # finite losses, no NaN
+    result.update(elapsed_s=1.0, loadavg_end=None, provenance=provenance("python -m bench.eager"))
+    text = section(result, tmp_path / "eager.smoke.json")
+    assert "<!-- bench:eager size=smoke -->" in text and "| own |" in text and "| none |" in text
