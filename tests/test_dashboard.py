@@ -4,7 +4,6 @@ headless-Chromium test of the page against real DHT records (helper publishers) 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import os
 import re
@@ -414,18 +413,10 @@ def _first_event(path: Path) -> dict | None:
     return json.loads(line) if line.strip() else None
 
 
-def _node_publishes_records() -> bool:
-    from diloco_swarm.node import runner
-
-    return "PeerRecordPublisher" in inspect.getsource(runner)
-
-
 @pytest.mark.swarm
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is missing (apt-get install chromium)")
 def test_dashboard_in_a_browser_with_a_real_two_peer_swarm(tmp_path):
-    if not _node_publishes_records():
-        pytest.skip("node/runner.py does not publish peer records yet (PeerRecordPublisher not wired in)")
     from playwright.sync_api import sync_playwright
 
     run_id = f"dash-swarm-{os.getpid()}"
