@@ -6,6 +6,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -186,3 +187,14 @@ def md_table(headers: list[str], rows: list[list[Any]]) -> str:
     for row in rows:
         out.append("| " + " | ".join(str(c) for c in row) + " |")
     return "\n".join(out) + "\n"
+
+
+def upsert_section(doc: Path, name: str, size: str, section: str) -> None:
+    """Put ``section`` (``<!-- bench:NAME size=SIZE -->`` … ``<!-- /bench:NAME -->``) into ``doc`` in
+    place of NAME's section, or at its end; a full-size section is never replaced by a smaller run."""
+    text = doc.read_text() if doc.exists() else ""
+    m = re.search(rf"<!-- bench:{name} size=(\w+) -->\n.*?<!-- /bench:{name} -->\n", text, re.S)
+    if m and m[1] == "full" and size != "full":
+        print(f"kept the full-size {name} section of {doc}", file=sys.stderr)
+        return
+    doc.write_text(text[:m.start()] + section + text[m.end():] if m else text.rstrip("\n") + "\n\n" + section)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 from bench import quality
-from bench.common import loadavg, md_table, provenance, provenance_md
+from bench.common import loadavg, md_table, provenance, provenance_md, upsert_section
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "bench" / "out"
@@ -60,16 +59,6 @@ def section(result: dict, source: Path) -> str:
             + "\n" + provenance_md(result, source) + "<!-- /bench:eager -->\n")
 
 
-def upsert_section(result: dict, source: Path) -> None:
-    text = MAIN_DOC.read_text() if MAIN_DOC.exists() else ""
-    m = re.search(r"<!-- bench:eager size=(\w+) -->\n.*?<!-- /bench:eager -->\n", text, re.S)
-    if m and m[1] == "full" and result["size"] != "full":
-        print(f"kept the full-size eager section of {MAIN_DOC}", file=sys.stderr)
-        return
-    new = section(result, source)
-    MAIN_DOC.write_text(text[:m.start()] + new + text[m.end():] if m else text.rstrip("\n") + "\n\n" + new)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.eager", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="quality's quick size instead of full (~15 min)")
@@ -85,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"final held-out loss by estimate rule: {result['final_loss']} → {path}")
     if not args.no_doc:
-        upsert_section(result, path)
+        upsert_section(MAIN_DOC, "eager", size, section(result, path))
     return 0
 
 

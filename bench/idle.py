@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import loadavg, md_table, median, provenance, provenance_md
+from bench.common import loadavg, md_table, median, provenance, provenance_md, upsert_section
 from bench.procs import cpu_seconds, process_tree
 from diloco_swarm.node.report import read_metrics
 
@@ -109,16 +108,6 @@ def section(result: dict, source: Path) -> str:
             "0.25 s later.\n\n" + provenance_md(result, source) + "<!-- /bench:idle -->\n")
 
 
-def upsert_section(result: dict, source: Path) -> None:
-    text = MAIN_DOC.read_text() if MAIN_DOC.exists() else ""
-    m = re.search(r"<!-- bench:idle size=(\w+) -->\n.*?<!-- /bench:idle -->\n", text, re.S)
-    if m and m[1] == "full" and result["size"] != "full":
-        print(f"kept the full-size idle section of {MAIN_DOC}", file=sys.stderr)
-        return
-    new = section(result, source)
-    MAIN_DOC.write_text(text[:m.start()] + new + text[m.end():] if m else text.rstrip("\n") + "\n\n" + new)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.idle", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one 8 s trial per variant instead of three of 20 s")
@@ -135,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"median CPU of a lone peer in matchmaking: {result['median_cpu_percent_of_core']} (% of a core) → {path}")
     if not args.no_doc:
-        upsert_section(result, path)
+        upsert_section(MAIN_DOC, "idle", size, section(result, path))
     return 0
 
 

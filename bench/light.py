@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import loadavg, md_table, median, provenance, provenance_md
+from bench.common import loadavg, md_table, median, provenance, provenance_md, upsert_section
 from bench.procs import process_tree
 from diloco_swarm.node.report import read_metrics
 
@@ -157,16 +156,6 @@ def section(result: dict, source: Path) -> str:
             + provenance_md(result, source) + "<!-- /bench:light -->\n")
 
 
-def upsert_section(result: dict, source: Path) -> None:
-    text = MAIN_DOC.read_text() if MAIN_DOC.exists() else ""
-    m = re.search(r"<!-- bench:light size=(\w+) -->\n.*?<!-- /bench:light -->\n", text, re.S)
-    if m and m[1] == "full" and result["size"] != "full":
-        print(f"kept the full-size light section of {MAIN_DOC}", file=sys.stderr)
-        return
-    new = section(result, source)
-    MAIN_DOC.write_text(text[:m.start()] + new + text[m.end():] if m else text.rstrip("\n") + "\n\n" + new)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.light", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 calls per path instead of 5")
@@ -184,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     r = result["ratio_hivemind_over_light"]
     print(f"status, hivemind / light: wall time {r['wall']}×, peak RSS {r['peak_rss']}× → {path}")
     if not args.no_doc:
-        upsert_section(result, path)
+        upsert_section(MAIN_DOC, "light", size, section(result, path))
     return 0
 
 

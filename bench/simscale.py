@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import human_bytes, loadavg, md_table, provenance, provenance_md
+from bench.common import human_bytes, loadavg, md_table, provenance, provenance_md, upsert_section
 from diloco_swarm.averaging.grouping import plan_round
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,16 +211,6 @@ def section(result: dict[str, Any], source: Path) -> str:
         + "\n" + "\n".join(series) + "\n\n" + provenance_md(result, source) + "<!-- /bench:simscale -->\n")
 
 
-def upsert_section(result: dict[str, Any], source: Path) -> None:
-    text = MAIN_DOC.read_text() if MAIN_DOC.exists() else ""
-    m = re.search(r"<!-- bench:simscale size=(\w+) -->\n.*?<!-- /bench:simscale -->\n", text, re.S)
-    if m and m[1] == "full" and result["size"] != "full":
-        print(f"kept the full-size simscale section of {MAIN_DOC}", file=sys.stderr)
-        return
-    new = section(result, source)
-    MAIN_DOC.write_text(text[:m.start()] + new + text[m.end():] if m else text.rstrip("\n") + "\n\n" + new)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.simscale", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="3 configurations, 12 rounds each")
@@ -238,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(section(result, path))
     if not args.no_doc:
-        upsert_section(result, path)
+        upsert_section(MAIN_DOC, "simscale", size, section(result, path))
     return 0
 
 
