@@ -50,11 +50,13 @@ def test_three_peers_train_average_and_agree(tmp_path):
         # After a failed round each applied its own Δ, so the next round's members started from
         # different θ: they re-sync to the canonical one in that round (theta_by_step: the θ held
         # at the end of each step, re-syncs included).
+        # A peer late for a round (the majority averaged without it) joins the next one with its Δ and
+        # then re-syncs onto the newer step: it never held a θ_global of the round's own step.
         digests = {}
         for node in nodes:
             held = theta_by_step(node)
             for r in node.outer_steps():
-                if r["round_ok"]:
+                if r["round_ok"] and r["outer_step"] in held:
                     digests.setdefault(r["outer_step"], {})[node.name] = held[r["outer_step"]]
         common = [s for s, d in digests.items() if len(d) == 3]
         assert common, digests
