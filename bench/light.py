@@ -141,7 +141,7 @@ def section(result: dict, source: Path) -> str:
     rows = [[p, f"{med[p]['wall_s']:.2f} s", f"{med[p]['peak_rss_bytes'] / 2**20:.0f} MiB", ", ".join(procs[p])]
             for p in PATHS]
     size = result["size"]
-    return (f"<!-- bench:light size={size} -->\n## 8. `status` through the light client vs hivemind "
+    return (f"<!-- bench:light size={size} -->\n## 9. `status` through the light client vs hivemind "
             "(`python -m bench.light`)\n\n"
             + ("" if size == "full" else "> **Toy size**: run `python -m bench.light` for the full-size figures.\n\n")
             + "One 3-node swarm (tiny model, training) on 127.0.0.1; `diloco-node status --json` alternately through "
