@@ -7,7 +7,7 @@ tensor of 1M / 10M / 50M values with int8, fp16 and fp32 through the same
 - ``total``: t0 → the last peer's ``average()`` returned;
 - ``matchmaking``: t0 → the last peer's averager entered the all-reduce (group formed);
 - ``all-reduce``: first peer entered → last peer left the all-reduce (load balancing + butterfly);
-- ``verify``: the last all-reduce end → the last ``average()`` return (checks, DHT digest cross-check).
+- ``verify``: the last all-reduce end → the last ``average()`` return (checks, the members' digest confirmation).
 
 The baseline is hivemind's own ``DecentralizedAverager`` in fp32 (codec ``raw-fp32``: no part
 checks, no digest cross-check, ``step()`` with the same matchmaking settings), in the same run:
@@ -167,7 +167,7 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         f"One flat fp32 tensor averaged by n peers (separate processes, 127.0.0.1), all released together by a "
         f"barrier; `matchmaking_time` {result['matchmaking_time']} s, target group size = n. Seconds are medians over "
         "the verified rounds; *matchmaking* = barrier → last peer entered the all-reduce; *all-reduce* = first peer in "
-        "→ last peer out; *verify* = the checks and the DHT digest cross-check after it (in `average()`; for "
+        "→ last peer out; *verify* = the checks and the members' digest confirmation after it (in `average()`: in-band, the DHT as fallback; for "
         "`raw-fp32`, hivemind's own `step()` returning). "
         "*Throughput* = payload sent by all peers / all-reduce time.\n",
         f"**Ceiling**: one TCP stream between two processes on 127.0.0.1, `sendall` of {human_bytes(ceil['bytes'])}: "

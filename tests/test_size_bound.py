@@ -7,13 +7,16 @@ averaged again). The same Δ with our weight is still refused, and only for a wh
 
 from __future__ import annotations
 
+import hashlib
 import threading
 
 import pytest
 import torch
 
-from diloco_swarm.averaging.allreduce import MAX_WEIGHT_SCALE, allowed_scale
-from diloco_swarm.averaging.averager import PseudoGradientAverager
+import math
+
+from diloco_swarm.averaging.allreduce import MAX_WEIGHT_SCALE, allowed_scale, finite_norm
+from diloco_swarm.averaging.averager import PseudoGradientAverager, tensors_digest
 from diloco_swarm.dht.swarm import start_dht, visible_maddrs
 
 SHAPES = [(64, 32), (32,)]
@@ -25,6 +28,28 @@ def test_allowed_scale_grows_with_the_senders_tokens_within_the_cap():
     assert allowed_scale(10.0, 400.0, 100.0) == 40.0
     assert allowed_scale(10.0, 1e12, 1.0) == 10.0 * MAX_WEIGHT_SCALE
     assert allowed_scale(10.0, 5.0, 0.0) == 10.0 * MAX_WEIGHT_SCALE  # our weight 0: the cap holds
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_finite_norm_is_the_l2_norm_and_none_for_any_non_finite_value(bad):
+    tensors = [torch.randn(37, 5), torch.tensor(3.0), torch.zeros(0), torch.randn(9)[::2], torch.randn(6).half()]
+    exact = math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
+    assert finite_norm(tensors) == pytest.approx(exact, rel=1e-6)
+    assert finite_norm([]) == 0.0
+    for i in (0, 3, 4):  # a bad value in any tensor, any dtype
+        spoiled = [t.clone() for t in tensors]
+        spoiled[i].view(-1)[1] = bad
+        assert finite_norm(spoiled) is None
+    assert finite_norm([torch.full((4,), 3e38)]) == math.inf  # finite, but beyond fp32: above any bound
+
+
+def test_digest_hashes_the_fp32_bytes_in_order():
+    tensors = [torch.randn(3, 4), torch.tensor(2.0), torch.randn(8)[::2]]
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.float().contiguous().numpy().tobytes())
+    assert tensors_digest(tensors) == h.hexdigest()[:16]
+    assert tensors_digest(tensors[::-1]) != tensors_digest(tensors)
 
 
 def _delta(scale: float, seed: int) -> list[torch.Tensor]:

@@ -41,8 +41,10 @@ from diloco_swarm.averaging.allreduce import (
     ConsensusAllReduceRunner,
     RoundStats,
     allowed_scale,
+    finite_norm,
 )
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
+from diloco_swarm.averaging.confirm import FAILED_MARK, OutcomeBoard, ask_outcomes, valid_outcome
 from diloco_swarm.averaging.grouping import majority_quorum
 from diloco_swarm.averaging.reachability import Responder
 from diloco_swarm.dht.calls import ChildGone, ChildUnavailable, bounded, dht_get, dht_store
@@ -69,7 +71,7 @@ AVOID_MEMORY_S = 600.0
 AVOID_REFUSER_S = 300.0  # ... is avoided this long (one refusal can be an honest peer's bound at a bad moment)
 
 AVERAGER_START_TIMEOUT_S = 120.0  # fork, replicate the DHT's libp2p client, register handlers; a busy machine
-FAILED_MARK = "failed"  # published under the round key by a member whose round was partial
+INBAND_GRACE_S = 1.0  # members' in-band answers usually arrive within this; the DHT copies are read after it
 
 COMPRESSIONS: dict[str, type[CompressionBase]] = {
     "int8": Int8BlockwiseCodec,
@@ -82,7 +84,7 @@ def tensors_digest(tensors: Sequence[torch.Tensor]) -> str:
     """sha256 (first 16 hex digits) over the raw fp32 bytes of ``tensors``, in order."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy())  # the buffer itself, no bytes copy
     return h.hexdigest()[:16]
 
 
@@ -170,6 +172,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self._avoided_peers: dict[str, float] = {}  # peer id -> time.monotonic() until which we avoid it
         self._refusals: dict[str, list[float]] = {}  # peer id -> when it refused our valid part (monotonic)
         self._reachability = Responder()  # answers dial-back checks (public peers only)
+        self._outcomes = OutcomeBoard()  # our outcomes of recent rounds, asked by their members (confirm.py)
         # hivemind's run_in_background() sets SIGINT to SIG_IGN in *our* process (meaning the
         # child); keep the child's SIG_IGN but give the caller its Ctrl+C handler back.
         previous_sigint = signal.getsignal(signal.SIGINT)
@@ -235,6 +238,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             **kwargs,
         )
         self._round_stats[group_id.hex()] = stats
+        self._outcomes.expect(stats.group_id, stats.group_peer_ids)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
@@ -354,6 +358,27 @@ class PseudoGradientAverager(DecentralizedAverager):
     ) -> averaging_pb2.DownloadData:
         """Dial a joining peer back from a fresh libp2p host (averaging/reachability.py)."""
         return await self._reachability.answer(request, context.remote_id)
+
+    async def rpc_round_outcome(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> averaging_pb2.DownloadData:
+        """A member of one of our recent rounds asks what we apply (in-band confirmation, confirm.py)."""
+        return await self._outcomes.answer(request, context.remote_id.to_base58())
+
+    async def _settle_outcome(self, group_id: str, outcome: str) -> None:
+        self._outcomes.settle(group_id, outcome)
+
+    @keep_task_alive
+    async def _ask_outcomes(self, group_id: str, peers: list[str], timeout: float, future: MPFuture):
+        """Ask the other members of a round for their outcomes (confirm.ask_outcomes), over our own connections."""
+        async def call(peer: str, request: averaging_pb2.DownloadData):
+            return await self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix).rpc_round_outcome(request)
+
+        try:
+            future.set_result(await ask_outcomes(call, group_id, peers, timeout))
+        except BaseException as e:
+            if not future.done():
+                future.set_exception(RuntimeError(_short_reason(e) if str(e) else type(e).__name__))
 
     @keep_task_alive
     async def _download_state_from(self, peer: str, timeout: float, max_bytes: int, future: MPFuture):
@@ -530,10 +555,10 @@ class PseudoGradientAverager(DecentralizedAverager):
             return "rejected " + ", ".join(f"{p} ({r})" for p, r in stats.rejected_senders.items())
         if stats.failed_reducers or stats.failed_values:
             return f"partial round: {stats.failed_values} of {stats.total_values} values missing"
-        if not all(torch.isfinite(a).all() for a in averaged):
+        avg_norm = finite_norm(averaged)
+        if avg_norm is None:
             return "the average is not finite"
-        local_norm = torch.sqrt(sum(d.pow(2).sum() for d in local)).item()
-        avg_norm = torch.sqrt(sum(a.pow(2).sum() for a in averaged)).item()
+        local_norm = finite_norm(local) or 0.0  # ours is finite: the runner checked Δ before the round
         scale = allowed_scale(self.max_norm_ratio, _largest_weight(gathered), weight)
         floor = RMS_FLOOR * math.sqrt(sum(d.numel() for d in local))  # the parts' RMS floor, as a norm
         if avg_norm > scale * max(local_norm, floor):
@@ -543,51 +568,95 @@ class PseudoGradientAverager(DecentralizedAverager):
     def _round_key(self, stats: RoundStats) -> str:
         return f"{self.prefix}_round_{stats.group_id}"
 
-    def _publish_outcome(self, stats: RoundStats, value: str) -> str | None:
+    def _publish_outcome(self, stats: RoundStats, outcome: str) -> None:
+        """Say our outcome of the round (its digest, or "failed"): in-band to the members that ask us
+        (confirm.py), and in the DHT for those that cannot (a client dials out only). The DHT store runs
+        on a helper thread: a member that asked us in-band does not wait for it."""
+        with contextlib.suppress(BrokenPipeError, ConnectionError, EOFError, OSError):  # process gone: the DHT copy stands
+            self._outer_pipe.send(("_settle_outcome", [], dict(group_id=stats.group_id, outcome=outcome)))
+        threading.Thread(target=self._store_outcome, args=(stats, outcome), name="round-outcome", daemon=True).start()
+
+    def _store_outcome(self, stats: RoundStats, outcome: str) -> None:
         try:
-            dht_store(self.dht, self._round_key(stats), value, subkey=self.peer_id.to_base58(),
+            dht_store(self.dht, self._round_key(stats), outcome, subkey=self.peer_id.to_base58(),
                       expiration_time=get_dht_time() + 120)
-        except Exception as e:
-            return f"could not publish the round digest ({_short_reason(e)})"
-        return None
+        except Exception as e:  # the members that need this copy then report us silent
+            logger.debug(f"could not publish the round outcome: {_short_reason(e)}")
+
+    def _ask_members(self, stats: RoundStats, others: set[str], timeout: float) -> MPFuture | None:
+        """Start asking the other members for their outcomes in-band; None if the averager process is gone."""
+        future = MPFuture()
+        try:
+            self._outer_pipe.send(("_ask_outcomes", [], dict(group_id=stats.group_id, peers=sorted(others),
+                                                             timeout=timeout, future=future)))
+        except (BrokenPipeError, ConnectionError, EOFError, OSError):
+            return None
+        return future
+
+    def _read_outcomes(self, stats: RoundStats, others: set[str], timeout: float,
+                       stop: threading.Event | None) -> dict[str, str]:
+        """The members' outcomes published in the DHT (the copies of those we could not ask).
+        :raises ChildUnavailable: the DHT did not answer, or ``stop`` was set."""
+        found = dht_get(self.dht, self._round_key(stats), latest=True, timeout=timeout, stop=stop)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        return {p: o for p, o in ((str(k), valid_outcome(v.value)) for k, v in found.value.items()) if p in others and o}
 
     def _cross_check(self, stats: RoundStats, result: RoundResult, digest_wait: float,
                      stop: threading.Event | None = None) -> str | None:
-        """Every member publishes the digest of the average it would apply, or "failed"; the
-        round counts only when all of them match ours (no member keeps a different value).
-        A set ``stop`` abandons the round at once (returns "stopping")."""
+        """Every member says the digest of the average it would apply, or "failed"; the round
+        counts only when all of them match ours (no member keeps a different value). Members
+        are asked in-band first (confirm.py); after ``INBAND_GRACE_S``, the DHT copies stand in
+        for those not heard from (clients, peers we cannot dial). A set ``stop`` abandons the
+        round at once (returns "stopping")."""
         others = set(stats.group_peer_ids) - {self.peer_id.to_base58()}
-        problem = self._publish_outcome(stats, result.digest)
-        if problem is not None:
-            return problem
-        deadline = time.monotonic() + digest_wait
+        self._publish_outcome(stats, result.digest)
+        started = time.monotonic()
+        deadline = started + digest_wait
+        asking = self._ask_members(stats, others, digest_wait)
+        outcomes: dict[str, str] = {}
         while True:
+            if asking is not None and asking.done():
+                with contextlib.suppress(Exception):  # the averager failed to ask: the DHT copies stand in
+                    outcomes = {**asking.result(), **outcomes}
+                asking = None
+            problem = _judge(outcomes, others, result)
+            if problem is not None or result.agreed_peers == len(others):
+                return problem
             if stop is not None and stop.is_set():
                 return "stopping"
-            try:
-                found = dht_get(self.dht, self._round_key(stats), latest=True,
-                                timeout=max(1.0, deadline - time.monotonic()), stop=stop)
-            except ChildUnavailable as e:
-                return "stopping" if stop is not None and stop.is_set() else f"could not read the round digests ({e})"
-            digests = {}
-            if found is not None and isinstance(found.value, dict):
-                digests = {str(k): v.value for k, v in found.value.items()}
-            failed = sorted(p for p in others if digests.get(p) == FAILED_MARK)
-            if failed:
-                return "members saw a partial round: " + ", ".join(failed)
-            mismatched = sorted(p for p in others if p in digests and digests[p] != result.digest)
-            if mismatched:
-                return "members hold a different average: " + ", ".join(mismatched)
-            result.agreed_peers = sum(1 for p in others if digests.get(p) == result.digest)
-            if result.agreed_peers == len(others):
-                return None
-            if time.monotonic() > deadline:
-                silent = sorted(p for p in others if p not in digests)
+            now = time.monotonic()
+            if now > deadline:
+                silent = sorted(others - set(outcomes))
                 return f"members did not confirm the average within {digest_wait:.0f}s: " + ", ".join(silent)
-            if stop is not None:
-                stop.wait(0.2)
+            if asking is None or now - started > INBAND_GRACE_S:
+                try:
+                    outcomes = {**self._read_outcomes(stats, others, max(1.0, deadline - now), stop), **outcomes}
+                except ChildUnavailable as e:
+                    return "stopping" if stop is not None and stop.is_set() else f"could not read the round digests ({e})"
+                pause = 0.2
             else:
-                time.sleep(0.2)
+                pause = 0.02
+            if asking is not None:
+                with contextlib.suppress(Exception):
+                    asking.result(timeout=pause)
+            elif stop is not None:
+                stop.wait(pause)
+            else:
+                time.sleep(pause)
+
+
+def _judge(outcomes: dict[str, str], others: set[str], result: RoundResult) -> str | None:
+    """Why the round cannot be kept given the ``outcomes`` heard so far, or None (``result.agreed_peers``
+    then counts the members that hold our average)."""
+    failed = sorted(p for p in others if outcomes.get(p) == FAILED_MARK)
+    if failed:
+        return "members saw a partial round: " + ", ".join(failed)
+    mismatched = sorted(p for p in others if p in outcomes and outcomes[p] != result.digest)
+    if mismatched:
+        return "members hold a different average: " + ", ".join(mismatched)
+    result.agreed_peers = sum(1 for p in others if outcomes.get(p) == result.digest)
+    return None
 
 
 def state_donors(dht: DHT, prefix: str) -> dict[str, float]:

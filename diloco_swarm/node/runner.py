@@ -102,6 +102,7 @@ class Node(Startup, StateSync):
         self.swarm_inner_step_s: float | None = None  # the online peers' median (DyLU)
         self.swarm_phase_eta: float | None = None  # the other online peers' median phase_eta (unix time)
         self._digest_cache: tuple[tuple[int, int], str] | None = None  # ((outer step, state syncs), digest)
+        self._last_eval_s = 0.0  # seconds the last held-out evaluation took (prices the next one)
 
     def run(self) -> None:
         """Set up, train until ``max_outer_steps`` or a stop signal, then leave cleanly.
@@ -262,8 +263,10 @@ class Node(Startup, StateSync):
         self.stats.inner_step_s = inner_s / steps
         self.stats.tokens_per_s = tokens / max(inner_s, 1e-9)
         self._status(inner_step=steps, loss=sum(losses[-20:]) / len(losses[-20:]), tokens_per_s=self.stats.tokens_per_s)
+        from diloco_swarm.averaging.allreduce import finite_norm
+
         delta = self.outer.pseudo_gradient(self.params)
-        if not all(torch.isfinite(d).all() for d in delta):
+        if finite_norm(delta) is None:
             raise Diverged(
                 f"training diverged at outer step {self.outer_step}: the pseudo-gradient has non-finite "
                 f"values; the last good checkpoint is kept. If it happens again after a restart, the run's "
@@ -481,16 +484,19 @@ class Node(Startup, StateSync):
         }
 
     def _evaluate(self, force: bool = False) -> None:
-        """Held-out loss of θ_global, when forced or while evaluation has cost less than
-        ``--eval-budget`` of wall time (the previous value stands in between)."""
+        """Held-out loss of θ_global, when forced or while evaluation, this one included (priced at
+        the last one's cost), stays within ``--eval-budget`` of wall time; the previous value stands
+        in between. Pricing the next one keeps a slow evaluation from overshooting the budget by
+        one evaluation per round."""
         wall = time.monotonic() - self.stats.started
-        if not force and self.stats.eval_s > self.cfg.eval_budget * wall:
+        if not force and self.stats.eval_s + self._last_eval_s > self.cfg.eval_budget * wall:
             return
         t0 = time.monotonic()
         self.outer.copy_to(self.eval_params)  # θ_local may run ahead of θ_global (overlap): evaluate θ_global
         self.stats.eval_loss = evaluate(self.eval_model, self.eval_set, self.device)
         self.stats.eval_outer_step = self.outer_step
-        self.stats.eval_s += time.monotonic() - t0
+        self._last_eval_s = time.monotonic() - t0
+        self.stats.eval_s += self._last_eval_s
 
     def _checkpoint(self) -> None:
         save_checkpoint(self.cfg.state_dir, self._checkpoint_state())
