@@ -32,11 +32,12 @@ def test_allowed_scale_grows_with_the_senders_tokens_within_the_cap():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_finite_norm_is_the_l2_norm_and_none_for_any_non_finite_value(bad):
-    tensors = [torch.randn(37, 5), torch.tensor(3.0), torch.zeros(0), torch.randn(9)[::2], torch.randn(6).half()]
+    tensors = [torch.randn(37, 5), torch.tensor(3.0), torch.zeros(0), torch.randn(9)[::2], torch.randn(6).half(),
+               torch.randn(4, dtype=torch.float64), torch.randn(3).bfloat16()]
     exact = math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
     assert finite_norm(tensors) == pytest.approx(exact, rel=1e-6)
     assert finite_norm([]) == 0.0
-    for i in (0, 3, 4):  # a bad value in any tensor, any dtype
+    for i in (0, 3, 4, 5, 6):  # a bad value in any tensor, any dtype
         spoiled = [t.clone() for t in tensors]
         spoiled[i].view(-1)[1] = bad
         assert finite_norm(spoiled) is None

@@ -72,8 +72,8 @@ class RoundStats:
 
 
 def finite_norm(tensors: Sequence[torch.Tensor]) -> float | None:
-    """L2 norm over every value of ``tensors`` (any shapes, float dtypes; accumulated in fp32 per
-    tensor, summed in fp64), or None when a value is NaN or ±Inf.
+    """L2 norm over every value of ``tensors`` (any shapes, float dtypes; accumulated per tensor in
+    its own dtype, fp16/bf16 in fp32, then summed in fp64), or None when a value is NaN or ±Inf.
 
     One fused pass (``torch.linalg.vector_norm``) instead of an ``isfinite`` mask and then a square:
     a NaN or Inf makes the norm non-finite, so only then (or when finite values overflow fp32's
@@ -83,7 +83,8 @@ def finite_norm(tensors: Sequence[torch.Tensor]) -> float | None:
     for t in tensors:
         if not t.numel():
             continue
-        norm = float(torch.linalg.vector_norm(t.detach().reshape(-1), dtype=torch.float32))
+        wide = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None  # no narrowing of fp64
+        norm = float(torch.linalg.vector_norm(t.detach().reshape(-1), dtype=wide))
         if not math.isfinite(norm):
             if not bool(torch.isfinite(t).all()):
                 return None
