@@ -44,7 +44,7 @@ from diloco_swarm.averaging.allreduce import (
     finite_norm,
 )
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
-from diloco_swarm.averaging.confirm import FAILED_MARK, OutcomeBoard, ask_outcomes, valid_outcome
+from diloco_swarm.averaging.confirm import DIGEST_WAIT_S, FAILED_MARK, OutcomeBoard, ask_outcomes, valid_outcome
 from diloco_swarm.averaging.grouping import majority_quorum
 from diloco_swarm.averaging.reachability import Responder
 from diloco_swarm.dht.calls import ChildGone, ChildUnavailable, bounded, dht_get, dht_store
@@ -455,7 +455,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         weight: float,
         metadata: dict[str, Any],
         timeout: float,
-        digest_wait: float = 15.0,
+        digest_wait: float = DIGEST_WAIT_S,
         stop: threading.Event | None = None,
         give_up: threading.Event | None = None,
         scheduled_time: float | None = None,

@@ -16,7 +16,7 @@ Wire (hivemind's protobufs reused, as ``reachability.py`` does): request
 ``averaging_pb2.DownloadData(metadata=<group id, hex, ascii>)``; response
 ``DownloadData(metadata=<digest | "failed" | "">)``, ``""`` meaning "not known here": not one of our
 recent rounds, the asker is not a member of it, or we did not know our outcome within
-:data:`ANSWER_WAIT_S`. A request is untrusted: bounded in size, answered only to members.
+:data:`DIGEST_WAIT_S`. A request is untrusted: bounded in size, answered only to members.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Callable, Iterable
 from hivemind.proto import averaging_pb2
 
 FAILED_MARK = "failed"  # the outcome of a member whose view of the round was partial
-ANSWER_WAIT_S = 15.0  # how long an asked member waits for its own outcome (= the node's digest wait)
+DIGEST_WAIT_S = 15.0  # how long a member waits for the others' outcomes, and an asked member for its own
 ROUNDS_KEPT = 16  # recent rounds whose outcome we answer for
 MAX_GROUP_ID_CHARS = 128  # hivemind's group ids are 32 random bytes (64 hex chars)
 _OUTCOME = re.compile(r"(?:[0-9a-f]{16}|failed)")
@@ -68,7 +68,7 @@ class OutcomeBoard:
             entry.known.set()
 
     async def answer(self, request: averaging_pb2.DownloadData, asker: str,
-                     wait_s: float = ANSWER_WAIT_S) -> averaging_pb2.DownloadData:
+                     wait_s: float = DIGEST_WAIT_S) -> averaging_pb2.DownloadData:
         """The ``rpc_round_outcome`` handler's body: our outcome, once known, for a member of the round."""
         group_id = request.metadata[:MAX_GROUP_ID_CHARS + 1].decode("ascii", "replace")
         entry = self._rounds.get(group_id) if len(group_id) <= MAX_GROUP_ID_CHARS else None

@@ -32,7 +32,8 @@ from diloco_swarm.node.config import NodeConfig
 from diloco_swarm.node.errors import Diverged, NodeError  # noqa: F401  (re-exported: cli maps NodeError to exit 2)
 from diloco_swarm.node.outer_sync import Handoff, OuterSync, RoundControl, RoundOutcome
 from diloco_swarm.node.report import MetricsWriter, StatusLine
-from diloco_swarm.node.startup import DIGEST_WAIT_S, Startup
+from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
+from diloco_swarm.node.startup import Startup
 from diloco_swarm.node.stats import NodeStats
 from diloco_swarm.node.redial import Redialer, dial_peers
 from diloco_swarm.node.statesync import StateSync, theta_digest

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from diloco_swarm import __version__
+from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
 from diloco_swarm.models import num_parameters
 from diloco_swarm.node.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, remove_stale_temp_files
 from diloco_swarm.node.errors import NodeError
@@ -25,7 +26,6 @@ from diloco_swarm.node.statesync import theta_digest
 MIN_INNER_STEPS_FRACTION = 0.25  # DyLU range: a phase plans H/4 .. 2H inner steps
 MAX_INNER_STEPS_FACTOR = 2
 ROUND_MARGIN_S = 30.0  # past the round's own time bounds, a phase gives the round up
-DIGEST_WAIT_S = 15.0  # a round waits this long for every member's digest of the average
 
 
 def pick_device(name: str) -> torch.device:
