@@ -198,3 +198,33 @@ def upsert_section(doc: Path, name: str, size: str, section: str) -> None:
         print(f"kept the full-size {name} section of {doc}", file=sys.stderr)
         return
     doc.write_text(text[:m.start()] + section + text[m.end():] if m else text.rstrip("\n") + "\n\n" + section)
+
+
+def standalone_main(name: str, doc: str, run: Callable[[str], dict[str, Any]],
+                    section: Callable[[dict[str, Any], Path], str], summary: Callable[[dict[str, Any]], str],
+                    quick_help: str, argv: list[str] | None = None) -> int:
+    """``python -m bench.NAME [--quick] [--no-doc] [--out-dir DIR]``, for the benchmarks run outside
+    ``python -m bench``: ``run(size)``, its JSON with provenance in ``DIR/NAME[.quick].json``, one
+    line of ``summary(result)``, and its section of docs/benchmarks.md (:func:`upsert_section`).
+
+    :param doc: the module's docstring; its first line is the ``--help`` description.
+    """
+    import argparse
+
+    ap = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--no-doc", action="store_true", help="only write the JSON")
+    ap.add_argument("--out-dir", type=Path, default=DEFAULT_OUT, help="raw JSON results (default: bench/out)")
+    args = ap.parse_args(argv)
+    size = "quick" if args.quick else "full"
+    prov = provenance(f"python -m bench.{name}" + (" --quick" if args.quick else ""))
+    t0 = time.perf_counter()
+    result = {"name": name, "size": size, **run(size)}
+    result.update(elapsed_s=round(time.perf_counter() - t0, 1), loadavg_end=loadavg(), provenance=prov)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = result_path(args.out_dir, name, size)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{summary(result)} → {path}")
+    if not args.no_doc:
+        upsert_section(DEFAULT_DOC, name, size, section(result, path))
+    return 0

@@ -15,20 +15,15 @@ Writes ``bench/out/eager[.quick].json`` and the ``eager`` section of ``docs/benc
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from bench import quality
-from bench.common import loadavg, md_table, provenance, provenance_md, upsert_section
+from bench.common import md_table, provenance_md, standalone_main
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT_DIR = ROOT / "bench" / "out"
-MAIN_DOC = ROOT / "docs" / "benchmarks.md"
 
 
 def run(size: str) -> dict:
@@ -60,22 +55,8 @@ def section(result: dict, source: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.eager", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="quality's quick size instead of full (~15 min)")
-    ap.add_argument("--no-doc", action="store_true", help="only write the JSON")
-    args = ap.parse_args(argv)
-    size = "quick" if args.quick else "full"
-    prov = provenance("python -m bench.eager" + (" --quick" if args.quick else ""))
-    t0 = time.perf_counter()
-    result = {"name": "eager", "size": size, **run(size)}
-    result.update(elapsed_s=round(time.perf_counter() - t0, 1), loadavg_end=loadavg(), provenance=prov)
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    path = OUT_DIR / ("eager.json" if size == "full" else f"eager.{size}.json")
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"final held-out loss by estimate rule: {result['final_loss']} → {path}")
-    if not args.no_doc:
-        upsert_section(MAIN_DOC, "eager", size, section(result, path))
-    return 0
+    return standalone_main("eager", __doc__, run, section, lambda r: f"final held-out loss by estimate rule: {r['final_loss']}",
+                           quick_help="quality's quick size instead of full (~15 min)", argv=argv)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ client with no public peer. Its CPU is taken from the trainers on the same machi
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
 import subprocess
@@ -26,13 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import loadavg, md_table, median, provenance, provenance_md, upsert_section
+from bench.common import md_table, median, provenance_md, standalone_main
 from bench.procs import cpu_seconds, process_tree
 from diloco_swarm.node.report import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT_DIR = ROOT / "bench" / "out"
-MAIN_DOC = ROOT / "docs" / "benchmarks.md"
 VARIANTS = {"stock": "0", "paced": None}
 NODE_ARGS = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--inner-steps", "5",
              "--max-dataset-bytes", "300000", "--threads", "1", "--device", "cpu", "--matchmaking-time", "3",
@@ -109,23 +105,8 @@ def section(result: dict, source: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.idle", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one 8 s trial per variant instead of three of 20 s")
-    ap.add_argument("--no-doc", action="store_true", help="only write the JSON")
-    args = ap.parse_args(argv)
-    size = "quick" if args.quick else "full"
-    command = "python -m bench.idle" + (" --quick" if args.quick else "")
-    prov = provenance(command)
-    t0 = time.perf_counter()
-    result = {"name": "idle", "size": size, **run(size)}
-    result.update(elapsed_s=round(time.perf_counter() - t0, 1), loadavg_end=loadavg(), provenance=prov)
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    path = OUT_DIR / ("idle.json" if size == "full" else f"idle.{size}.json")
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"median CPU of a lone peer in matchmaking: {result['median_cpu_percent_of_core']} (% of a core) → {path}")
-    if not args.no_doc:
-        upsert_section(MAIN_DOC, "idle", size, section(result, path))
-    return 0
+    return standalone_main("idle", __doc__, run, section, lambda r: f"median CPU of a lone peer in matchmaking: {r['median_cpu_percent_of_core']} (% of a core)",
+                           quick_help="one 8 s trial per variant instead of three of 20 s", argv=argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Writes ``bench/out/light[.quick].json`` and the ``light`` section of ``docs/benc
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -22,13 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import loadavg, md_table, median, provenance, provenance_md, upsert_section
+from bench.common import md_table, median, provenance_md, standalone_main
 from bench.procs import process_tree
 from diloco_swarm.node.report import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT_DIR = ROOT / "bench" / "out"
-MAIN_DOC = ROOT / "docs" / "benchmarks.md"
 NODE_ARGS = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--inner-steps", "20",
              "--max-dataset-bytes", "300000", "--threads", "1", "--device", "cpu", "--matchmaking-time", "3",
              "--averaging-window", "30", "--host", "127.0.0.1", "--port", "0"]
@@ -156,25 +153,14 @@ def section(result: dict, source: Path) -> str:
             + provenance_md(result, source) + "<!-- /bench:light -->\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.light", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 calls per path instead of 5")
-    ap.add_argument("--no-doc", action="store_true", help="only write the JSON")
-    args = ap.parse_args(argv)
-    size = "quick" if args.quick else "full"
-    command = "python -m bench.light" + (" --quick" if args.quick else "")
-    prov = provenance(command)
-    t0 = time.perf_counter()
-    result = {"name": "light", "size": size, **run(size)}
-    result.update(elapsed_s=round(time.perf_counter() - t0, 1), loadavg_end=loadavg(), provenance=prov)
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    path = OUT_DIR / ("light.json" if size == "full" else f"light.{size}.json")
-    path.write_text(json.dumps(result, indent=1) + "\n")
+def _summary(result: dict) -> str:
     r = result["ratio_hivemind_over_light"]
-    print(f"status, hivemind / light: wall time {r['wall']}×, peak RSS {r['peak_rss']}× → {path}")
-    if not args.no_doc:
-        upsert_section(MAIN_DOC, "light", size, section(result, path))
-    return 0
+    return f"status, hivemind / light: wall time {r['wall']}×, peak RSS {r['peak_rss']}×"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return standalone_main("light", __doc__, run, section, _summary,
+                           quick_help="2 calls per path instead of 5", argv=argv)
 
 
 if __name__ == "__main__":

@@ -29,22 +29,17 @@ docs/benchmarks.md.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.common import human_bytes, loadavg, md_table, provenance, provenance_md, upsert_section
+from bench.common import human_bytes, md_table, provenance_md, standalone_main
 from diloco_swarm.averaging.grouping import plan_round
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT_DIR = ROOT / "bench" / "out"
-MAIN_DOC = ROOT / "docs" / "benchmarks.md"
 
 PARAMS = 100_000_000  # model size for the byte counts
 INNER_S = 600.0  # one inner phase of a median-speed peer (H steps), seconds
@@ -212,23 +207,8 @@ def section(result: dict[str, Any], source: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.simscale", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="3 configurations, 12 rounds each")
-    ap.add_argument("--no-doc", action="store_true", help="only write the JSON")
-    ap.add_argument("--out-dir", type=Path, default=OUT_DIR, help="raw JSON results (default: bench/out)")
-    args = ap.parse_args(argv)
-    size = "quick" if args.quick else "full"
-    prov = provenance("python -m bench.simscale" + (" --quick" if args.quick else ""))
-    t0 = time.perf_counter()
-    result = {"name": "simscale", "size": size, **run(size)}
-    result.update(elapsed_s=round(time.perf_counter() - t0, 1), loadavg_end=loadavg(), provenance=prov)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / ("simscale.json" if size == "full" else f"simscale.{size}.json")
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(section(result, path))
-    if not args.no_doc:
-        upsert_section(MAIN_DOC, "simscale", size, section(result, path))
-    return 0
+    return standalone_main("simscale", __doc__, run, section, lambda r: f"{len(r['runs'])} swarms simulated",
+                           quick_help="3 configurations, 12 rounds each", argv=argv)
 
 
 if __name__ == "__main__":

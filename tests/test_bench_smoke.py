@@ -97,6 +97,28 @@ def test_idle_benchmark_runs_at_toy_size(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_standalone_benchmark_writes_its_json_and_its_doc_section(tmp_path, monkeypatch, capsys):
+    """bench.eager/idle/light/simscale share one main (bench.common.standalone_main)."""
+    from bench import common
+
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n")
+    monkeypatch.setattr(common, "DEFAULT_DOC", doc)
+
+    def section(result, path):
+        return f"<!-- bench:toy size={result['size']} -->\n{result['answer']} from {path.name}\n<!-- /bench:toy -->\n"
+
+    argv = ["--quick", "--out-dir", str(tmp_path)]
+    assert common.standalone_main("toy", "Toy benchmark.\n", lambda size: {"answer": 42 if size == "quick" else 0},
+                                  section, lambda r: f"answer {r['answer']}", quick_help="toy size", argv=argv) == 0
+    data = json.loads((tmp_path / "toy.quick.json").read_text())
+    assert data["answer"] == 42 and data["size"] == "quick" and data["elapsed_s"] >= 0
+    assert data["provenance"]["command"] == "python -m bench.toy --quick"
+    assert doc.read_text().startswith("# Benchmarks\n") and "42 from toy.quick.json" in doc.read_text()
+    assert "answer 42 → " in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
 def test_simscale_runs_on_the_nodes_grouping_rule(tmp_path):
     from bench.simscale import section, simulate
 
