@@ -141,8 +141,9 @@ class Startup:
             self.status.log("others cannot join through this node (it is a client); give them the address of a "
                             "public peer, e.g. the one in your --initial-peers")
         else:
-            self.status.log("to join from another machine: diloco-node join --run-id {} {}--initial-peers {}".format(
-                spec.run_id, "".join(f"{f} " for f in cfg.join_flags), " ".join(addrs) if addrs else "<this node's multiaddr>"))
+            peers = " ".join(f"--initial-peers {a}" for a in addrs) or "--initial-peers <this node's multiaddr>"
+            self.status.log("to join from another machine: diloco-node join --run-id {} {}{}".format(  # one flag per address: pastes as is
+                spec.run_id, "".join(f"{f} " for f in cfg.join_flags), peers))
         self.metrics.write(
             {
                 "event": "start",
