@@ -110,7 +110,8 @@ def run(size: str) -> dict[str, Any]:
                 per_round.append({
                     "round": rnd,
                     "ok": ok,
-                    "reasons": sorted({r["reason"] for r in rr if r["reason"]}),
+                    "reasons": sorted({r["reason"] for r in rr if r["reason"]}
+                                      | {f"{p}: {why}" for r in rr for p, why in r.get("rejected_peers", {}).items()}),
                     "total_s": max(r["t_end"] for r in rr) - t0,
                     "matchmaking_s": (max(ar_starts) - t0) if have_ar else None,
                     "allreduce_s": ar,

@@ -215,6 +215,7 @@ def _peer(rank: int, spec: dict[str, Any], addr_q, barrier, res_q) -> None:
                         "rank": rank,
                         "ok": bool(result.ok),
                         "reason": result.reason,
+                        "rejected_peers": dict(result.rejected_peers),  # refused senders, failed reducers: why
                         "group_size": result.group_size,
                         "bytes_sent": int(result.bytes_sent),
                         "bytes_received": int(result.bytes_received),

@@ -1,11 +1,20 @@
-"""The log filter that keeps hivemind's child processes from printing a traceback when a request
-from an exiting node cannot be read (diloco_swarm.utils.hivemind_fixes)."""
+"""Workarounds for hivemind bugs (diloco_swarm.utils.hivemind_fixes): the log filter that keeps a child
+process from printing a traceback when a request from an exiting node cannot be read, paced group
+key reads, and the daemon's socket files in one directory per process."""
 
 import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 import diloco_swarm.utils.hivemind_fixes  # noqa: F401  (installs the filters)
+from diloco_swarm.utils.hivemind_fixes import SOCKET_DIR_PREFIX
 
 
 def _log_from(func_name: str, logger_name: str, exc: BaseException, caplog) -> list[logging.LogRecord]:
@@ -60,3 +69,54 @@ def test_group_key_reads_are_paced():
     asyncio.run(poll())
     gaps = [b - a for a, b in zip(calls, calls[1:])]
     assert len(calls) == 4 and min(gaps) >= MIN_GROUP_POLL_S - 0.02, gaps
+
+
+
+_SOCKET_CHILD = """
+import os, sys, time
+from diloco_swarm.dht.swarm import start_dht
+dht = start_dht(initial_peers=[], host="127.0.0.1", port=0)
+print(os.getpid(), flush=True)
+print(sorted(os.listdir(sys.argv[1] + str(os.getpid()))), flush=True)
+if sys.argv[2] == "hang":
+    time.sleep(600)
+dht.shutdown()
+"""
+
+
+@pytest.fixture
+def short_tmp():
+    path = Path(tempfile.mkdtemp(prefix="ds-", dir="/tmp"))  # short: a unix socket path is ≤ 108 bytes
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_the_daemons_socket_files_leave_with_the_node(short_tmp):
+    """hivemind's unix sockets live in one directory per process: gone after a clean exit, and after
+    a SIGKILL at the next start of any diloco process (hivemind left them in /tmp for good)."""
+    env = {**os.environ, "TMPDIR": str(short_tmp)}
+    prefix = str(short_tmp / SOCKET_DIR_PREFIX)
+
+    def child(mode):
+        return subprocess.Popen([sys.executable, "-c", _SOCKET_CHILD, prefix, mode], env=env, text=True,
+                                stdout=subprocess.PIPE)
+
+    clean = child("exit")
+    out, _ = clean.communicate(timeout=90)
+    pid, listing = out.splitlines()[:2]
+    assert clean.returncode == 0 and "hivemind-p2pd-" in listing, out
+    assert not (short_tmp / f"{SOCKET_DIR_PREFIX}{pid}").exists()
+
+    killed = child("hang")
+    try:
+        pid = killed.stdout.readline().strip()
+        assert "hivemind-p2pd-" in killed.stdout.readline()
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=30)
+    left = short_tmp / f"{SOCKET_DIR_PREFIX}{pid}"
+    assert left.is_dir()  # nothing could remove it
+    subprocess.run([sys.executable, "-c", "import diloco_swarm.dht.swarm"], env=env, check=True, timeout=60)
+    assert not left.exists()
+    assert not list(short_tmp.glob("hivemind-*")), "no socket file outside the per-process directory"

@@ -283,11 +283,14 @@ def leave_now(code: int) -> None:
     import logging
     import multiprocessing as mp
 
+    from diloco_swarm.utils.hivemind_fixes import remove_socket_dir
+
     for child in mp.active_children():
         child.terminate()
         child.join(timeout=2.0)
         if child.is_alive():
             child.kill()
+    remove_socket_dir()  # os._exit skips atexit
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

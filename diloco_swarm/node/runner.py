@@ -37,6 +37,7 @@ from diloco_swarm.node.startup import Startup
 from diloco_swarm.node.stats import NodeStats
 from diloco_swarm.node.redial import Redialer, dial_peers
 from diloco_swarm.node.statesync import StateSync, theta_digest
+from diloco_swarm.utils.hivemind_fixes import remove_socket_dir
 from diloco_swarm.utils.worker import Worker
 
 WARMUP_INNER_STEPS = 50  # linear inner-LR warm-up over the swarm's first 50 inner steps
@@ -65,6 +66,7 @@ class StopFlag:
             for child in mp.active_children():
                 with contextlib.suppress(Exception):
                     child.kill()
+            remove_socket_dir()  # os._exit skips atexit
             os._exit(130)
         self.event.set()
         if self.training:
@@ -601,10 +603,9 @@ class Node(Startup, StateSync):
 
     def _supervise(self) -> None:
         """Watch the DHT, averager and p2pd processes; re-dial the known peers if we started a new swarm."""
-        from diloco_swarm.node.watchdog import Watchdog, node_parts, node_pids
+        from diloco_swarm.node.watchdog import Watchdog, node_parts
 
-        self.watchdog = Watchdog(node_parts(self.dht, self.averager), self._part_lost,
-                                 socket_owners=node_pids(self.dht, self.averager)).start()
+        self.watchdog = Watchdog(node_parts(self.dht, self.averager), self._part_lost).start()
         if self._redial_known:
             Redialer(self.dht, self._redial_known, self.stop.event, on_merged=lambda n: self.status.log(
                 f"found {n} of the peers this node saw before; the two swarms merge")).start()
@@ -633,8 +634,6 @@ class Node(Startup, StateSync):
             if part is not None and part.is_alive():  # a SIGTERM to our process group may have ended it
                 with contextlib.suppress(Exception):
                     part.shutdown()
-        if self.watchdog is not None:
-            self.watchdog.remove_sockets()  # those hivemind left behind (a killed part never removes its own)
         self.metrics.close()
         if self.lock is not None:
             self.lock.release()

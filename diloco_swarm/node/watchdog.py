@@ -7,20 +7,17 @@ alone forever, printing hivemind tracebacks. :class:`Watchdog` polls each part e
 calls ``on_lost`` once, from its own thread, with one line that names the part. The node then ends
 with exit code :data:`EXIT_PART_LOST` (docs/operations.md), keeping its last checkpoint.
 
-It also remembers the Unix sockets hivemind creates for these processes
-(``/tmp/hivemind-p2pd-*.sock``, ``/tmp/hivemind-p2pclient-*.sock``): a part that was killed never
-removes its own, so :meth:`Watchdog.remove_sockets` removes those that remain once the parts are gone.
+The Unix sockets a killed part leaves behind are removed with the node's socket directory
+(``utils/hivemind_fixes.py``).
 
-Linux only (reads ``/proc``); elsewhere the probes of the child processes still work, ``p2pd``
-is not watched and no socket is removed.
+Linux only (reads ``/proc``); elsewhere the probes of the child processes still work and ``p2pd``
+is not watched.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
-import time
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -29,8 +26,6 @@ logger = logging.getLogger(__name__)
 EXIT_PART_LOST = 3  # the exit code of a node that lost its DHT, averager or p2pd (the checkpoint is kept)
 POLL_S = 1.0
 GRACE_S = 1.0  # between noticing a lost part and reporting it
-SOCKET_PREFIX = "/tmp/hivemind-"
-RESCAN_SOCKETS_S = 10.0
 
 Probe = Callable[[], "str | None"]  # None while the part is fine, else what happened to it
 
@@ -115,33 +110,6 @@ def node_pids(dht, averager) -> list[int]:
     return pids
 
 
-def hivemind_sockets(pids: list[int]) -> set[str]:
-    """Paths of the ``/tmp/hivemind-*.sock`` Unix sockets that processes ``pids`` hold open (Linux)."""
-    inodes: set[str] = set()
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
-    paths: set[str] = set()
-    try:
-        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
-    except OSError:
-        return paths
-    for line in lines:
-        fields = line.split()
-        if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith(SOCKET_PREFIX):
-            paths.add(fields[7])
-    return paths
-
-
 def end_processes(*procs) -> None:
     """SIGTERM each live ``multiprocessing.Process`` in ``procs`` (their p2pd dies with the DHT process)."""
     for proc in procs:
@@ -159,17 +127,14 @@ class Watchdog:
         part is fine, else a short description ("was killed by signal 9").
     :param on_lost: called from the watchdog's thread with one line, e.g. "the DHT process (pid 12)
         was killed by signal 9"; it must be quick and thread-safe (set an event).
-    :param socket_owners: pids whose hivemind sockets :meth:`remove_sockets` removes once they are gone.
     """
 
     def __init__(self, parts: Mapping[str, Probe], on_lost: Callable[[str], None], *,
-                 poll_s: float = POLL_S, socket_owners: list[int] | None = None):
+                 poll_s: float = POLL_S):
         self.parts = dict(parts)
         self.on_lost = on_lost
         self.poll_s = poll_s
         self.lost: str | None = None
-        self._owners = [p for p in (socket_owners or []) if p]
-        self._sockets: set[str] = hivemind_sockets(self._owners)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="node-watchdog", daemon=True)
 
@@ -189,7 +154,6 @@ class Watchdog:
         return None
 
     def _loop(self) -> None:
-        last_scan = time.monotonic()
         while not self._stopped.wait(self.poll_s):
             problem = self.check()
             if problem is not None:
@@ -203,30 +167,9 @@ class Watchdog:
                 except Exception as e:
                     logger.warning(f"watchdog callback failed: {e!r}")
                 return
-            if time.monotonic() - last_scan > RESCAN_SOCKETS_S:  # parts may open sockets later
-                last_scan = time.monotonic()
-                self._sockets |= hivemind_sockets(self._owners)
 
     def stop(self) -> None:
         """Stop watching (before the node shuts its parts down on purpose)."""
         self._stopped.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.poll_s + 1)
-
-    def remove_sockets(self) -> list[str]:
-        """Remove the remembered hivemind sockets that no live owner holds any more.
-
-        :returns: the paths removed.
-        """
-        live = [p for p in self._owners if pid_probe(p)() is None]
-        still_held = hivemind_sockets(live) if live else set()
-        removed = []
-        for path in sorted(self._sockets - still_held):
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                logger.debug(f"could not remove {path}: {e}")
-        return removed

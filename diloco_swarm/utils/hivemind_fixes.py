@@ -29,6 +29,13 @@ the previous read returns: about 235 reads a second, which kept the averager and
 ~50% of a core each (one lone node: 104% of a core in all, for the whole averaging window).
 :func:`_paced_get_averagers` spaces the reads of one key manager by :data:`MIN_GROUP_POLL_S`; a
 leader that appears is seen at most that much later.
+
+Socket files. hivemind's libp2p daemon and each client of it listen on unix sockets named
+``/tmp/hivemind-p2pd-*.sock`` and ``/tmp/hivemind-p2pclient-*.sock``; they are removed only when the
+daemon is still running at shutdown, so every killed node, failed bootstrap or crashed child left
+them behind (we counted 355 in /tmp after a day of tests). :func:`_own_socket_dir` puts them in one
+directory per process, ``/tmp/diloco-p2p-<pid>``, removed at exit; a process that was killed leaves
+its directory to the next start, which removes the directories of processes no longer running.
 """
 
 from __future__ import annotations
@@ -37,9 +44,12 @@ import asyncio
 import ctypes
 import functools
 import logging
+import atexit
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 
 _live_tasks: set[asyncio.Task] = set()
@@ -156,6 +166,66 @@ def _paced_get_averagers(get_averagers):
     return wrapper
 
 
+SOCKET_DIR_PREFIX = "diloco-p2p-"  # + the pid of the process that owns the directory
+MAX_SOCKET_PATH = 100  # bytes; sun_path holds 108 on Linux
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _sweep_socket_dirs(root: str) -> None:
+    """Remove our uid's socket directories whose process is gone (it was killed: no atexit ran)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(SOCKET_DIR_PREFIX):]
+        path = os.path.join(root, name)
+        if not name.startswith(SOCKET_DIR_PREFIX) or not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        try:
+            if os.lstat(path).st_uid == os.getuid():
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue
+
+
+_socket_dir: tuple[int, str] | None = None  # (owner pid, path) once made
+
+
+def _own_socket_dir() -> str | None:
+    """This process's directory for hivemind's unix sockets (created 0700, removed at exit), or None
+    when it cannot be made or its paths would be too long for a unix socket (hivemind's default then)."""
+    global _socket_dir
+    root = tempfile.gettempdir()
+    path = os.path.join(root, f"{SOCKET_DIR_PREFIX}{os.getpid()}")
+    if len(path) + len("/hivemind-p2pclient-XXXXXXXXXXX.sock") > MAX_SOCKET_PATH:
+        return None
+    _sweep_socket_dirs(root)
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError:
+        return None
+    _socket_dir = (os.getpid(), path)
+    atexit.register(remove_socket_dir)
+    return path
+
+
+def remove_socket_dir() -> None:
+    """Remove this process's socket directory (idempotent). Call it before ``os._exit``, which skips
+    atexit. Forked children (DHT, averager) inherit the directory; only the process that made it removes it."""
+    if _socket_dir is not None and _socket_dir[0] == os.getpid():
+        shutil.rmtree(_socket_dir[1], ignore_errors=True)
+
+
 def patch_hivemind() -> None:
     """Apply the fixes to hivemind's classes (idempotent; must run before DHTs/averagers fork)."""
     from hivemind.averaging import DecentralizedAverager
@@ -183,6 +253,13 @@ def patch_hivemind() -> None:
         log = logging.getLogger(name)
         if not any(isinstance(f, _QuietPipeErrors) for f in log.filters):
             log.addFilter(_QuietPipeErrors())
+    from hivemind.p2p import P2P
+
+    if not getattr(P2P, "__own_socket_dir__", False):
+        socket_dir = _own_socket_dir()
+        if socket_dir is not None:
+            P2P._UNIX_SOCKET_PREFIX = f"/unix{socket_dir}/hivemind-"
+        P2P.__own_socket_dir__ = True
     # hivemind.p2p.p2p_daemon calls asyncio.subprocess.create_subprocess_exec; only p2pd is affected
     if not getattr(asyncio.subprocess.create_subprocess_exec, "__spawns_p2pd_apart__", False):
         asyncio.subprocess.create_subprocess_exec = _spawn_p2pd_apart(asyncio.subprocess.create_subprocess_exec)
