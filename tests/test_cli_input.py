@@ -111,6 +111,16 @@ def test_no_torch_jit_warning_before_a_commands_output():
         assert out.returncode == 0 and "Warning" not in out.stderr, out.stderr
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (Linux: the SigCgt mask in /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+    except (OSError, StopIteration):
+        return False
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_stop_signal_while_the_node_loads_ends_it_at_once(tmp_path, sig):
     """Before the node installs its handlers (torch and hivemind still loading), a stop signal was
@@ -119,7 +129,10 @@ def test_a_stop_signal_while_the_node_loads_ends_it_at_once(tmp_path, sig):
                              "--state-dir", str(tmp_path / "state"), "--run-id", "early-stop"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        time.sleep(2.5)  # past the CLI's own imports, inside torch/hivemind loading (or later)
+        # once the early handler is in (SigCgt has SIGTERM's bit): inside torch/hivemind loading, or later
+        deadline = time.monotonic() + 60
+        while not _catches(proc.pid, signal.SIGTERM) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
         t0 = time.monotonic()
         os.killpg(proc.pid, sig)
         out, err = proc.communicate(timeout=20)

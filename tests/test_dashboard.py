@@ -303,7 +303,8 @@ def helper_swarm():
                           tokens_per_s=1000.0 + 200 * i, reachability="client" if i else "public",
                           theta_marks=[{"step": 1, "digest": f"{i:016x}"}]).dict()}  # two lineages
             snap["updated"] = None  # the publisher fills in "now"
-            pub = PeerRecordPublisher(dht, run_id, validators, lambda s=snap: dict(s), interval_s=1.0)
+            # records live 3 intervals: 6 s leaves room for a store delayed on a busy machine
+            pub = PeerRecordPublisher(dht, run_id, validators, lambda s=snap: dict(s), interval_s=2.0)
             pub.start()
             pubs.append(pub)
             peers.append(SimpleNamespace(dht=dht, snap=snap, pub=pub, peer_id=snap["peer_id"]))
@@ -366,7 +367,7 @@ def test_dashboard_in_a_browser_with_helper_records(helper_swarm, tmp_path):
 
     dash, port = start_dashboard(tmp_path, helper_swarm.maddrs, helper_swarm.run_id)
     try:
-        wait_until(lambda: get_state(port)["totals"]["peers_online"] == 2, 60, what="2 peers online in the API")
+        wait_until(lambda: get_state(port)["totals"]["peers_online"] == 2, 120, what="2 peers online in the API")
         with sync_playwright() as p:
             browser = _launch_browser(p)
             try:
@@ -432,7 +433,7 @@ def test_dashboard_in_a_browser_with_a_real_two_peer_swarm(tmp_path):
         m1 = tmp_path / "n1.jsonl"
         procs.append(spawn([*common, "--name", "node-one", "--state-dir", str(tmp_path / "n1"),
                             "--metrics-file", str(m1)], tmp_path / "n1.log"))
-        start = wait_until(lambda: _first_event(m1), 90, what="the first node's start event")
+        start = wait_until(lambda: _first_event(m1), 180, what="the first node's start event")
         maddrs = start["maddrs"]
         procs.append(spawn([*common, "--name", "node-two", "--initial-peers", *maddrs, "--state-dir",
                             str(tmp_path / "n2"), "--metrics-file", str(tmp_path / "n2.jsonl")], tmp_path / "n2.log"))
@@ -458,9 +459,7 @@ def test_dashboard_in_a_browser_with_a_real_two_peer_swarm(tmp_path):
                     shutil.copy(laptop, REPO / "docs" / "dashboard.png")
                 # node two leaves gracefully: its goodbye turns its row "gone" well before any expiry
                 procs[1].send_signal(signal.SIGINT)
-                t_leave = time.monotonic()
-                wait_until(lambda: page.locator("#peers tr.peer.gone").count() == 1, 30, what="node two gone")
-                assert time.monotonic() - t_leave < 25
+                wait_until(lambda: page.locator("#peers tr.peer.gone").count() == 1, 25, what="node two gone")
                 assert page.locator("#peers tr.peer.gone .name").inner_text() == "node-two"
                 assert procs[1].wait(timeout=30) == 0
             finally:

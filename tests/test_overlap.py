@@ -75,6 +75,8 @@ def test_two_nodes_overlap_rounds_agree_and_survive_a_crash_mid_round(tmp_path):
         ok_before = sum(r["round_ok"] for r in a.outer_steps())
         b = swarm.start("b", initial=a, timeout=START_S)
         assert b.events("start")[-1]["outer_step"] >= step
+        # each node writes its own record of the joint round: a's may land after b's
         swarm.wait(lambda: any(r["round_ok"] and r["group_size"] == 2 for r in b.outer_steps()
-                               if r["time"] > b.events("start")[-1]["time"]), 180, "b averages after restart", b)
-        assert sum(r["round_ok"] for r in a.outer_steps()) > ok_before
+                               if r["time"] > b.events("start")[-1]["time"])
+                   and sum(r["round_ok"] for r in a.outer_steps()) > ok_before,
+                   180, "b averages after restart, and a's record of that round", b)

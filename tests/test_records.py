@@ -189,7 +189,7 @@ def swarm(tmp_path_factory):
 def test_publish_read_round_trip_and_remove(swarm):
     peer_a = swarm.a.peer_id.to_base58()
     snap = snapshot(peer_a, outer_step=1)
-    pub = PeerRecordPublisher(swarm.a, RUN, swarm.va, lambda: snap, interval_s=1.0)
+    pub = PeerRecordPublisher(swarm.a, RUN, swarm.va, lambda: snap, interval_s=2.0)  # records live 3 × 2 s
     try:
         pub.start()
         got = wait_for(lambda: read_peer_records(swarm.b, RUN).get(peer_a))
@@ -199,7 +199,7 @@ def test_publish_read_round_trip_and_remove(swarm):
         snap["outer_step"] = 2
         assert pub.publish_now() is True
         assert read_peer_records(swarm.b, RUN)[peer_a].outer_step == 2
-        time.sleep(3.5)  # longer than the 3 s expiration: only the refresh thread keeps it alive
+        time.sleep(6.5)  # longer than the 6 s expiration: only the refresh thread keeps it alive
         assert peer_a in read_peer_records(swarm.b, RUN)
         assert pub.published >= 3
     finally:

@@ -1,9 +1,10 @@
-"""MetricsWriter: every line of the metrics file is valid JSON, whatever the numbers."""
+"""MetricsWriter: every line of the metrics file is valid JSON, whatever the numbers. StatusLine: what
+the status line says about the phase."""
 
 import json
 import math
 
-from diloco_swarm.node.report import MetricsWriter
+from diloco_swarm.node.report import MetricsWriter, StatusLine
 
 
 def refuse(constant):
@@ -35,3 +36,11 @@ def test_no_file_means_no_output(tmp_path):
     writer.write({"event": "eval", "eval_loss": math.nan})
     writer.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_status_line_shows_the_phase_target_and_an_extended_phase():
+    line = StatusLine.render({"outer_step": 3, "inner_step": 12, "phase_steps": 40, "inner_steps": 50, "loss": 2.5})
+    assert line.startswith("outer 3 | inner 12/40 | loss 2.500")  # the phase's own (DyLU) target, not H
+    extended = StatusLine.render({"outer_step": 3, "inner_step": 131, "phase_steps": 50, "inner_steps": 50})
+    assert "inner 131/50, extended while the round runs" in extended
+    assert "inner 0/50 |" in StatusLine.render({"inner_steps": 50})  # before the first phase

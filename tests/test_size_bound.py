@@ -15,7 +15,7 @@ import torch
 
 import math
 
-from diloco_swarm.averaging.allreduce import MAX_WEIGHT_SCALE, allowed_scale, finite_norm
+from diloco_swarm.averaging.allreduce import MAX_WEIGHT_SCALE, SIZE_REASON, allowed_scale, finite_norm
 from diloco_swarm.averaging.averager import PseudoGradientAverager, tensors_digest
 from diloco_swarm.dht.swarm import start_dht, visible_maddrs
 
@@ -84,7 +84,10 @@ def test_a_larger_delta_from_a_peer_that_trained_more_tokens_is_averaged():
         small, large = _delta(1.0, 0), _delta(30.0, 1)  # 30× the RMS: above the 10× bound at equal weight
 
         # 1. The larger Δ behind 50× the tokens: averaged, and both members hold the same average.
-        rounds = _round(averagers, [small, large], [100.0, 5000.0])
+        for _ in range(2):  # a second try only after the rare partial round, which is not what this checks
+            rounds = _round(averagers, [small, large], [100.0, 5000.0])
+            if all(r.ok for r in rounds) or any(SIZE_REASON in why for r in rounds for why in r.rejected_peers.values()):
+                break
         assert all(r.ok and r.group_size == 2 for r in rounds), [(r.ok, r.reason) for r in rounds]
         assert rounds[0].digest == rounds[1].digest
 

@@ -69,6 +69,13 @@ class MetricsWriter:
             self._file = None
 
 
+def _inner_progress(step: int, target: int | None) -> str:
+    """``inner 12/50``; past the target the phase runs on while the round is in flight (overlap)."""
+    if target is None:
+        return f"inner {step}/?"
+    return f"inner {step}/{target}" + (", extended while the round runs" if step > target else "")
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if abs(n) < 1024 or unit == "GB":
@@ -103,9 +110,11 @@ class StatusLine:
 
     @staticmethod
     def render(f: dict[str, Any]) -> str:
+        """One status line from :meth:`NodeStats.status` fields; ``phase_steps`` is this phase's own
+        target (DyLU), ``inner_steps`` the run's nominal H."""
         parts = [
             f"outer {f.get('outer_step', 0)}",
-            f"inner {f.get('inner_step', 0)}/{f.get('inner_steps', '?')}",
+            _inner_progress(f.get("inner_step", 0), f.get("phase_steps") or f.get("inner_steps")),
             f"loss {f['loss']:.3f}" if f.get("loss") is not None else "loss -",
             f"{f.get('tokens_per_s', 0):,.0f} tok/s",
             f"peers {f.get('peers_seen', 1)}" + (" (we are a client)" if f.get("reachability") == "client" else ""),

@@ -54,7 +54,8 @@ class StopFlag:
     def __init__(self, status: StatusLine):
         self.event = threading.Event()
         self.status = status
-        self.training = False  # set once set-up is done: before that there is no checkpoint to write
+        self.training = False  # set once set-up is done
+        self.has_checkpoint = False  # set once a checkpoint is on disk or being written
 
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._handle)
@@ -69,8 +70,12 @@ class StopFlag:
             remove_socket_dir()  # os._exit skips atexit
             os._exit(130)
         self.event.set()
-        if self.training:
-            self.status.log("stopping: finishing up and writing the checkpoint (press Ctrl+C again to quit at once)")
+        if self.training and self.has_checkpoint:
+            self.status.log("stopping: dropping the round in flight; the last checkpoint is kept "
+                            "(press Ctrl+C again to quit at once)")
+        elif self.training:
+            self.status.log("stopping: no outer step applied yet, so there is no checkpoint to keep "
+                            "(press Ctrl+C again to quit at once)")
         else:
             self.status.log("stopping: leaving before training starts (press Ctrl+C again to quit at once)")
 
@@ -253,7 +258,7 @@ class Node(Startup, StateSync):
                     steps, tokens, losses, inner_before = 0, 0, [], self.stats.inner_s
             now = time.monotonic()
             if now - t_last >= 1.0 and losses:  # (empty right after a restarted phase)
-                self._status(inner_step=steps, loss=sum(losses[-20:]) / len(losses[-20:]),
+                self._status(inner_step=steps, phase_steps=target, loss=sum(losses[-20:]) / len(losses[-20:]),
                              tokens_per_s=tokens_window / max(now - t_last, 1e-9))
                 t_last, tokens_window = now, 0
             if steps >= target:
@@ -265,7 +270,8 @@ class Node(Startup, StateSync):
         inner_s = self.stats.inner_s - inner_before
         self.stats.inner_step_s = inner_s / steps
         self.stats.tokens_per_s = tokens / max(inner_s, 1e-9)
-        self._status(inner_step=steps, loss=sum(losses[-20:]) / len(losses[-20:]), tokens_per_s=self.stats.tokens_per_s)
+        self._status(inner_step=steps, phase_steps=target, loss=sum(losses[-20:]) / len(losses[-20:]),
+                     tokens_per_s=self.stats.tokens_per_s)
         from diloco_swarm.averaging.allreduce import finite_norm
 
         delta = self.outer.pseudo_gradient(self.params)
@@ -502,6 +508,7 @@ class Node(Startup, StateSync):
         self.stats.eval_s += self._last_eval_s
 
     def _checkpoint(self) -> None:
+        self.stop.has_checkpoint = True
         save_checkpoint(self.cfg.state_dir, self._checkpoint_state())
 
     def _checkpoint_state(self) -> dict[str, Any]:
@@ -520,6 +527,7 @@ class Node(Startup, StateSync):
     def _save_checkpoint_in_background(self) -> None:
         """Snapshot the state now (training thread), write it on the housekeeping thread."""
         state = self._checkpoint_state()
+        self.stop.has_checkpoint = True
         self._last_checkpoint = self._checkpoints.submit(save_checkpoint, self.cfg.state_dir, state)
 
     def _dht_upkeep(self) -> None:
@@ -558,7 +566,7 @@ class Node(Startup, StateSync):
         }
 
     def _status(self, force: bool = False, **live) -> None:
-        """Update the status line; ``live`` fields (inner_step, loss, tokens_per_s) describe the running phase."""
+        """Update the status line; ``live`` fields (inner_step, phase_steps, loss, tokens_per_s) describe the running phase."""
         self.stats.live.update(live)
         self.status.update(self.stats.status(outer_step=self.outer_step, inner_steps=self.spec.inner_steps,
                                              reachability=self.reachability), force=force)

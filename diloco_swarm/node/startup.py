@@ -91,6 +91,7 @@ class Startup:
         self.outer_step = 0
         if checkpoint is not None:
             self._restore(checkpoint)
+            self.stop.has_checkpoint = True
             self.status.log(f"resumed from {checkpoint_path(cfg.state_dir)} at outer step {self.outer_step}")
             # the state we hold: with another holder's record, evidence for a joiner (node/statesync.py)
             self.stats.theta_marks.append((self.outer_step, theta_digest(self.outer.theta)))

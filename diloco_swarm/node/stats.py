@@ -41,7 +41,7 @@ class NodeStats:
     phase_eta: float = 0.0  # unix time at which the current phase should end (0 = unknown)
     peers_seen: int = 1
     last_round: dict[str, Any] | None = None
-    live: dict[str, Any] = field(default_factory=dict)  # the running phase: inner_step, loss, tokens_per_s
+    live: dict[str, Any] = field(default_factory=dict)  # the running phase: inner_step, phase_steps, loss, tokens_per_s
     # (outer step, θ digest) our own rounds produced, newest last: the swarm's lineages (dht/lineages.py)
     theta_marks: deque = field(default_factory=lambda: deque(maxlen=MAX_THETA_MARKS))
 
