@@ -620,7 +620,8 @@ class PseudoGradientAverager(DecentralizedAverager):
                 with contextlib.suppress(Exception):  # the averager failed to ask: the DHT copies stand in
                     outcomes = {**asking.result(), **outcomes}
                 asking = None
-            problem = _judge(outcomes, others, result)
+            problem = _judge(outcomes, others, result.digest)
+            result.agreed_peers = sum(1 for p in others if outcomes.get(p) == result.digest)
             if problem is not None or result.agreed_peers == len(others):
                 return problem
             if stop is not None and stop.is_set():
@@ -635,8 +636,8 @@ class PseudoGradientAverager(DecentralizedAverager):
                 except ChildUnavailable as e:
                     return "stopping" if stop is not None and stop.is_set() else f"could not read the round digests ({e})"
                 pause = 0.2
-            else:
-                pause = 0.02
+            else:  # the in-band answers wake us as soon as they are in
+                pause = max(0.0, min(0.25, INBAND_GRACE_S - (now - started)))
             if asking is not None:
                 with contextlib.suppress(Exception):
                     asking.result(timeout=pause)
@@ -646,16 +647,15 @@ class PseudoGradientAverager(DecentralizedAverager):
                 time.sleep(pause)
 
 
-def _judge(outcomes: dict[str, str], others: set[str], result: RoundResult) -> str | None:
-    """Why the round cannot be kept given the ``outcomes`` heard so far, or None (``result.agreed_peers``
-    then counts the members that hold our average)."""
+def _judge(outcomes: dict[str, str], others: set[str], digest: str) -> str | None:
+    """Why the round cannot be kept given the ``outcomes`` heard so far (peer id -> digest or
+    FAILED_MARK), or None while no member contradicts our average's ``digest``."""
     failed = sorted(p for p in others if outcomes.get(p) == FAILED_MARK)
     if failed:
         return "members saw a partial round: " + ", ".join(failed)
-    mismatched = sorted(p for p in others if p in outcomes and outcomes[p] != result.digest)
+    mismatched = sorted(p for p in others if p in outcomes and outcomes[p] != digest)
     if mismatched:
         return "members hold a different average: " + ", ".join(mismatched)
-    result.agreed_peers = sum(1 for p in others if outcomes.get(p) == result.digest)
     return None
 
 
