@@ -32,6 +32,7 @@ from diloco_swarm.node.config import NodeConfig
 from diloco_swarm.node.errors import Diverged, NodeError  # noqa: F401  (re-exported: cli maps NodeError to exit 2)
 from diloco_swarm.node.outer_sync import Handoff, OuterSync, RoundControl, RoundOutcome
 from diloco_swarm.node.report import MetricsWriter, StatusLine
+from diloco_swarm.averaging.allreduce import finite_norm
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
 from diloco_swarm.node.startup import Startup
 from diloco_swarm.node.stats import NodeStats
@@ -272,8 +273,6 @@ class Node(Startup, StateSync):
         self.stats.tokens_per_s = tokens / max(inner_s, 1e-9)
         self._status(inner_step=steps, phase_steps=target, loss=sum(losses[-20:]) / len(losses[-20:]),
                      tokens_per_s=self.stats.tokens_per_s)
-        from diloco_swarm.averaging.allreduce import finite_norm
-
         delta = self.outer.pseudo_gradient(self.params)
         if finite_norm(delta) is None:
             raise Diverged(
