@@ -20,6 +20,11 @@ def _leave(signum, frame) -> None:
     try:
         sys.stderr.write("stopped during start-up\n")
         sys.stderr.flush()
+        # the socket directory exists once hivemind's fixes loaded; os._exit skips their atexit hook
+        # (looked up, not imported: this module must not load hivemind)
+        fixes = sys.modules.get("diloco_swarm.utils.hivemind_fixes")
+        if fixes is not None:
+            fixes.remove_socket_dir()
     finally:
         os._exit(0)
 
