@@ -9,11 +9,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
-import diloco_swarm.utils.hivemind_fixes  # noqa: F401  (installs the filters)
+from diloco_swarm.utils import hivemind_fixes  # (importing it installs the fixes)
 from diloco_swarm.utils.hivemind_fixes import SOCKET_DIR_PREFIX
 
 
@@ -75,10 +76,11 @@ def test_group_key_reads_are_paced():
 _SOCKET_CHILD = """
 import os, sys, time
 from diloco_swarm.dht.swarm import start_dht
+from diloco_swarm.utils import hivemind_fixes
 dht = start_dht(initial_peers=[], host="127.0.0.1", port=0)
-print(os.getpid(), flush=True)
-print(sorted(os.listdir(sys.argv[1] + str(os.getpid()))), flush=True)
-if sys.argv[2] == "hang":
+print(hivemind_fixes._socket_dir[1], flush=True)
+print(sorted(os.listdir(hivemind_fixes._socket_dir[1])), flush=True)
+if sys.argv[1] == "hang":
     time.sleep(600)
 dht.shutdown()
 """
@@ -93,30 +95,40 @@ def short_tmp():
 
 @pytest.mark.timeout(120)
 def test_the_daemons_socket_files_leave_with_the_node(short_tmp):
-    """hivemind's unix sockets live in one directory per process: gone after a clean exit, and after
-    a SIGKILL at the next start of any diloco process (hivemind left them in /tmp for good)."""
+    """hivemind's unix sockets live in one fresh directory per process: gone after a clean exit, and
+    after a SIGKILL at the next start of a diloco process (hivemind left them in /tmp for good); a
+    directory whose owner runs is never swept."""
     env = {**os.environ, "TMPDIR": str(short_tmp)}
-    prefix = str(short_tmp / SOCKET_DIR_PREFIX)
 
     def child(mode):
-        return subprocess.Popen([sys.executable, "-c", _SOCKET_CHILD, prefix, mode], env=env, text=True,
+        return subprocess.Popen([sys.executable, "-c", _SOCKET_CHILD, mode], env=env, text=True,
                                 stdout=subprocess.PIPE)
 
     clean = child("exit")
     out, _ = clean.communicate(timeout=90)
-    pid, listing = out.splitlines()[:2]
+    path, listing = out.splitlines()[:2]
     assert clean.returncode == 0 and "hivemind-p2pd-" in listing, out
-    assert not (short_tmp / f"{SOCKET_DIR_PREFIX}{pid}").exists()
+    assert Path(path).parent == short_tmp and Path(path).name.startswith(f"{SOCKET_DIR_PREFIX}{clean.pid}-")
+    assert not Path(path).exists()
 
-    killed = child("hang")
+    killed, running = child("hang"), child("hang")
     try:
-        pid = killed.stdout.readline().strip()
+        left = Path(killed.stdout.readline().strip())
         assert "hivemind-p2pd-" in killed.stdout.readline()
-    finally:
+        live = Path(running.stdout.readline().strip())
+        assert "hivemind-p2pd-" in running.stdout.readline()
         killed.send_signal(signal.SIGKILL)
         killed.wait(timeout=30)
-    left = short_tmp / f"{SOCKET_DIR_PREFIX}{pid}"
-    assert left.is_dir()  # nothing could remove it
-    subprocess.run([sys.executable, "-c", "import diloco_swarm.dht.swarm"], env=env, check=True, timeout=60)
-    assert not left.exists()
-    assert not list(short_tmp.glob("hivemind-*")), "no socket file outside the per-process directory"
+        assert left.is_dir()  # nothing could remove it
+        deadline = time.monotonic() + 20  # its DHT process dies with it (PR_SET_PDEATHSIG), freeing the lock
+        while not hivemind_fixes._stale(str(left)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        subprocess.run([sys.executable, "-c", "import diloco_swarm.dht.swarm"], env=env, check=True, timeout=60)
+        assert not left.exists()
+        assert live.is_dir() and any(live.glob("hivemind-p2pd-*.sock")), "a running node's directory was swept"
+    finally:
+        for proc in (killed, running):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(timeout=30)
+    assert not list(short_tmp.glob("hivemind-*")), "no socket file outside the per-process directories"

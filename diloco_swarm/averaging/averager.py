@@ -335,7 +335,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             await super()._shutdown(timeout)
         finally:
             # hivemind never closes the averager's replica of the DHT's libp2p client, so every run left
-            # a /tmp/hivemind-p2pclient-*.sock behind; _terminate() closes it and removes that socket
+            # a hivemind-p2pclient-*.sock behind; _terminate() closes it and removes that socket
             # (a replica owns no daemon: the DHT's p2pd keeps running until the DHT shuts down).
             p2p = getattr(self, "_p2p", None)
             if p2p is not None:

@@ -34,20 +34,23 @@ Socket files. hivemind's libp2p daemon and each client of it listen on unix sock
 ``/tmp/hivemind-p2pd-*.sock`` and ``/tmp/hivemind-p2pclient-*.sock``; they are removed only when the
 daemon is still running at shutdown, so every killed node, failed bootstrap or crashed child left
 them behind (we counted 355 in /tmp after a day of tests). :func:`_own_socket_dir` puts them in one
-directory per process, ``/tmp/diloco-p2p-<pid>``, removed at exit; a process that was killed leaves
-its directory to the next start, which removes the directories of processes no longer running.
+fresh directory per process, ``/tmp/diloco-p2p-<pid>-<random>``, removed at exit; a process that was
+killed leaves its directory to the next process that loads these fixes, which removes the directories
+whose lock no running process holds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import fcntl
 import functools
 import logging
 import atexit
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -166,55 +169,70 @@ def _paced_get_averagers(get_averagers):
     return wrapper
 
 
-SOCKET_DIR_PREFIX = "diloco-p2p-"  # + the pid of the process that owns the directory
+SOCKET_DIR_PREFIX = "diloco-p2p-"  # + the owner's pid, "-", a random suffix (tempfile.mkdtemp)
+SOCKET_DIR_LOCK = ".owner.lock"  # flock-ed by the owner (and its forked children) while they run
 MAX_SOCKET_PATH = 100  # bytes; sun_path holds 108 on Linux
+STALE_UNLOCKED_S = 600.0  # a directory with no lock file yet is only removed this long after its creation
 
 
-def _pid_alive(pid: int) -> bool:
+def _stale(path: str) -> bool:
+    """Whether no running process holds ``path``'s lock: its owner and the owner's forked children
+    hold it while they run, whatever PID namespace they are in (a pid check would not see that)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(os.path.join(path, SOCKET_DIR_LOCK), os.O_RDONLY)
+    except FileNotFoundError:  # an owner between mkdtemp and its lock, or not ours to judge
+        try:
+            return time.time() - os.lstat(path).st_mtime > STALE_UNLOCKED_S
+        except OSError:
+            return False
+    except OSError:
         return False
-    except PermissionError:  # someone else's process
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
-    return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _sweep_socket_dirs(root: str) -> None:
-    """Remove our uid's socket directories whose process is gone (it was killed: no atexit ran)."""
+    """Remove our uid's socket directories that no running process holds (killed: no atexit ran)."""
     try:
-        names = os.listdir(root)
+        names = [n for n in os.listdir(root) if n.startswith(SOCKET_DIR_PREFIX)]
     except OSError:
         return
     for name in names:
-        pid = name[len(SOCKET_DIR_PREFIX):]
         path = os.path.join(root, name)
-        if not name.startswith(SOCKET_DIR_PREFIX) or not pid.isdigit() or _pid_alive(int(pid)):
-            continue
         try:
-            if os.lstat(path).st_uid == os.getuid():
-                shutil.rmtree(path, ignore_errors=True)
+            st = os.lstat(path)
         except OSError:
             continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and _stale(path):
+            shutil.rmtree(path, ignore_errors=True)
 
 
-_socket_dir: tuple[int, str] | None = None  # (owner pid, path) once made
+_socket_dir: tuple[int, str, int] | None = None  # (owner pid, path, lock fd) once made
 
 
 def _own_socket_dir() -> str | None:
-    """This process's directory for hivemind's unix sockets (created 0700, removed at exit), or None
-    when it cannot be made or its paths would be too long for a unix socket (hivemind's default then)."""
+    """This process's directory for hivemind's unix sockets, or None when it cannot be made or its
+    paths would be too long for a unix socket (hivemind's default /tmp names then).
+
+    ``tempfile.mkdtemp``: a fresh name, created 0700 by us alone, so nobody can prepare it in
+    advance or share it (every container's node may be pid 1). Removed at exit."""
     global _socket_dir
     root = tempfile.gettempdir()
-    path = os.path.join(root, f"{SOCKET_DIR_PREFIX}{os.getpid()}")
-    if len(path) + len("/hivemind-p2pclient-XXXXXXXXXXX.sock") > MAX_SOCKET_PATH:
+    if len(os.path.join(root, f"{SOCKET_DIR_PREFIX}{os.getpid()}-XXXXXXXX/hivemind-p2pclient-XXXXXXXXXXX.sock")) > MAX_SOCKET_PATH:
         return None
     _sweep_socket_dirs(root)
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        path = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-", dir=root)
+        fd = os.open(os.path.join(path, SOCKET_DIR_LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # forked children share it (same open file); p2pd (exec) does not
     except OSError:
         return None
-    _socket_dir = (os.getpid(), path)
+    _socket_dir = (os.getpid(), path, fd)
     atexit.register(remove_socket_dir)
     return path
 
