@@ -218,8 +218,9 @@ def test_late_joiner_downloads_state_and_averages(tmp_path):
         swarm.wait(lambda: step in theta_by_step(donor), ROUND_S, "the donor's record of that step")
         # its state_sync event comes before its round record, and a donor that re-synced to `step`
         # has a record with synced_to == step instead
-        record = swarm.wait(lambda: next((r for r in donor.outer_steps()
-                                          if r["outer_step"] == step or r.get("synced_to") == step), None),
+        record = swarm.wait(lambda: next((r for r in donor.outer_steps()  # the step the record ends at
+                                          if (r["outer_step"] if r.get("synced_to") is None else r["synced_to"]) == step),
+                                         None),
                             ROUND_S, "the donor's round record of that step", donor)
         print(summary(donor))
         assert sync["theta_digest"] == theta_by_step(donor)[step], (sync, record)
