@@ -47,6 +47,7 @@ CHECKPOINT_WRITE_TIMEOUT_S = 30.0  # a graceful leave waits this long for the la
 MAX_PHASE_BATCHES = 1 << 40  # a phase extended while a round runs draws batches until the round ends
 ROUND_GIVE_UP_S = 15.0  # a round given up gets this long to end
 ALIGN_SLACK_S = 1.0  # a round waits this long past the last expected member's hand-off
+SWARM_REFRESH_S = 5.0  # a phase planned before we knew our speed re-reads the swarm's records this often
 
 
 class StopFlag:
@@ -205,6 +206,23 @@ class Node(Startup, StateSync):
             return H
         return max(self.min_inner_steps, min(self.max_inner_steps, round(H * swarm / mine)))
 
+    def _replan_first_phase(self, steps: int, inner_s: float) -> int:
+        """The target of a phase planned (H steps) before this peer had timed an inner step, once
+        ``steps`` took ``inner_s`` seconds: end at the swarm's next hand-off when the others published
+        one still ahead, else DyLU's H × swarm ÷ ours, else H; within the DyLU range, never below
+        ``steps`` (= end now). A slow newcomer is then not a whole slow phase late for its first round.
+        Also publishes the new hand-off time (``phase_eta``)."""
+        step_s, now = inner_s / steps, time.time()
+        if self.swarm_phase_eta and self.swarm_phase_eta > now:
+            plan = steps + round((self.swarm_phase_eta - now) / step_s)
+        elif self.swarm_inner_step_s:
+            plan = round(self.spec.inner_steps * self.swarm_inner_step_s / step_s)
+        else:
+            plan = self.spec.inner_steps
+        plan = max(steps, self.min_inner_steps, min(self.max_inner_steps, plan))
+        self.stats.phase_eta = now + (plan - steps) * step_s
+        return plan
+
     def _steps_to_swarm_handoff(self, default: int) -> int:
         """Inner steps until the online peers' median ``phase_eta``, within the DyLU range
         (``default`` when neither that nor our step time is known)."""
@@ -226,6 +244,7 @@ class Node(Startup, StateSync):
         """
         spec = self.spec
         target = self._phase_steps()
+        measured = bool(self.stats.inner_step_s)  # False in our first phase: planned H, re-planned once timed
         # data and LR warm-up follow the swarm's progress (outer step × H): a joiner synced to step t
         # must not take tiny steps, or its own Δ-based norm bounds would reject every honest part
         phase_index = self.outer_step + int(self.sync.in_flight)
@@ -234,7 +253,7 @@ class Node(Startup, StateSync):
         self.stats.phase_eta = time.time() + target * self.stats.inner_step_s if self.stats.inner_step_s else 0.0
         self.model.train()
         losses, tokens, steps = [], 0, 0
-        t_last = time.monotonic()
+        t_last, t_refresh = time.monotonic(), float("-inf")  # (an unmeasured phase reads the swarm at its first tick)
         inner_before, tokens_window = self.stats.inner_s, 0
         for i, (x, y) in enumerate(self.sampler.batches_for_outer_step(phase_index, MAX_PHASE_BATCHES)):
             if self.stop.requested:
@@ -258,6 +277,11 @@ class Node(Startup, StateSync):
                     self.stats.wasted_inner_s += self.stats.inner_s - inner_before
                     steps, tokens, losses, inner_before = 0, 0, [], self.stats.inner_s
             now = time.monotonic()
+            if not measured and now - t_last >= 1.0 and losses:
+                target = self._replan_first_phase(steps, self.stats.inner_s - inner_before)
+                if now - t_refresh >= SWARM_REFRESH_S:  # the others' speeds and hand-off times, for the next re-plan
+                    t_refresh = now
+                    self._housekeeping.submit(self._dht_upkeep)
             if now - t_last >= 1.0 and losses:  # (empty right after a restarted phase)
                 self._status(inner_step=steps, phase_steps=target, loss=sum(losses[-20:]) / len(losses[-20:]),
                              tokens_per_s=tokens_window / max(now - t_last, 1e-9))
@@ -343,6 +367,7 @@ class Node(Startup, StateSync):
                                 "connections (port forwarded, or a server) lets the swarm average again")
             return RoundResult(ok=False, group_size=1, reason="no public peer: every peer is a client"), own
         records = self._read_records()
+        self._note_swarm(records)  # fresh for the phase that follows this round (a re-sync aims at the swarm's hand-off)
         others = bool(self.averager.donors()) or any(p != self.peer_id for p in records)
         if self.sync.overlap and not others:
             return RoundResult(ok=False, group_size=1, reason="no other peer online"), own
@@ -540,11 +565,17 @@ class Node(Startup, StateSync):
             refresh_run_spec(self.dht, self.spec)
             records = read_peer_records(self.dht, self.spec.run_id)
             self.stats.peers_seen = max(1, len(records))
-            speeds = sorted(r.inner_step_s for r in records.values() if r.inner_step_s > 0)
-            self.swarm_inner_step_s = speeds[len(speeds) // 2] if speeds else None
-            etas = sorted(r.phase_eta for p, r in records.items() if p != self.peer_id and r.phase_eta > 0)
-            self.swarm_phase_eta = etas[len(etas) // 2] if etas else None
+            self._note_swarm(records)
             self._remember_peers(records)
+
+    def _note_swarm(self, records: dict[str, Any]) -> None:
+        """From the peers' records: the online peers' median seconds per inner step (DyLU) and the
+        other peers' median hand-off time (unix s). Called on the housekeeping and averaging threads
+        (each attribute is replaced whole)."""
+        speeds = sorted(r.inner_step_s for r in records.values() if r.inner_step_s > 0)
+        self.swarm_inner_step_s = speeds[len(speeds) // 2] if speeds else None
+        etas = sorted(r.phase_eta for p, r in records.items() if p != self.peer_id and r.phase_eta > 0)
+        self.swarm_phase_eta = etas[len(etas) // 2] if etas else None
 
     def _record_snapshot(self) -> dict[str, Any]:
         """This peer's public record (dht/records.py), read by `status` and the dashboard."""
