@@ -37,7 +37,7 @@ SIZES = {
               "timeout": 240},
     "quick": {"model": "tiny", "H": 40, "seq_len": 64, "batch": 4, "outer_steps": 6, "max_bytes": 1_000_000,
               "timeout": 400, "keep_logs": True},
-    "full": {"model": "tiny", "H": 100, "seq_len": 64, "batch": 4, "outer_steps": 10, "max_bytes": 2_000_000,
+    "full": {"model": "tiny", "H": 100, "seq_len": 64, "batch": 4, "outer_steps": 15, "max_bytes": 2_000_000,
              "timeout": 900, "keep_logs": True},
 }
 MATCHMAKING_S = 2.0
