@@ -103,6 +103,7 @@ class _RawRound:
     def __init__(self, ok: bool, group_size: int, bytes_sent: int, reason: str = ""):
         self.ok, self.group_size, self.reason = ok, group_size, reason
         self.bytes_sent = self.bytes_received = bytes_sent
+        self.rejected_peers: dict[str, str] = {}  # raw hivemind refuses nobody
 
 
 def _start_raw_averager(shapes, dht, spec: dict[str, Any], prefix: str, n: int, times):
