@@ -73,7 +73,7 @@ class StopFlag:
             os._exit(130)
         self.event.set()
         if self.training and self.has_checkpoint:
-            self.status.log("stopping: dropping the round in flight; the last checkpoint is kept "
+            self.status.log("stopping: the last checkpoint is kept, a round in flight is dropped "
                             "(press Ctrl+C again to quit at once)")
         elif self.training:
             self.status.log("stopping: no outer step applied yet, so there is no checkpoint to keep "
