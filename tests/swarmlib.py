@@ -161,9 +161,22 @@ def theta_by_step(node: NodeProc) -> dict[int, str]:
     return out
 
 
+def load_checkpoint(node: NodeProc) -> dict:
+    return torch.load(node.state_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
+
+
 def load_theta(node: NodeProc) -> list[torch.Tensor]:
-    state = torch.load(node.state_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
-    return state["outer"]["theta"]
+    return load_checkpoint(node)["outer"]["theta"]
+
+
+def checkpoint_step(node: NodeProc, missing: int = -1) -> int:
+    """The outer step of the node's checkpoint on disk (its θ_global checked finite); ``missing`` while
+    there is none. Checkpoints replace each other by rename, so a read never sees half a file."""
+    if not (node.state_dir / "checkpoint.pt").exists():
+        return missing
+    state = load_checkpoint(node)
+    assert all(torch.isfinite(t).all() for t in state["outer"]["theta"]), f"{node.name}: non-finite θ_global"
+    return int(state["outer_step"])
 
 
 def relative_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

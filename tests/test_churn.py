@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
-from swarmlib import FAST_ARGS, NodeProc, Swarm, kill_tree, process_tree, theta_by_step
+from swarmlib import FAST_ARGS, NodeProc, Swarm, checkpoint_step, kill_tree, load_checkpoint, process_tree, theta_by_step
 
 pytestmark = [pytest.mark.swarm]
 
@@ -105,18 +105,6 @@ def assert_finite(node: NodeProc) -> None:
         assert finite(e["eval_loss"]), (node.name, e)
     for r in node.outer_steps():
         assert finite(r["eval_loss"]) and finite(r["loss"]), (node.name, r)
-
-
-def load_checkpoint(node: NodeProc) -> dict:
-    return torch.load(node.state_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
-
-
-def checkpoint_outer_step(node: NodeProc) -> int:
-    """The outer step of the node's checkpoint on disk, or -1 while there is none."""
-    try:
-        return int(load_checkpoint(node)["outer_step"])
-    except (OSError, RuntimeError, KeyError, EOFError):
-        return -1
 
 
 def crash(node: NodeProc) -> float:
@@ -549,7 +537,7 @@ def test_sigkill_of_main_process_only_allows_restart(tmp_path):
 
         try:
             # the checkpoint is written on a worker thread, and may land after the round's record
-            swarm.wait(lambda: node.outer_steps() and checkpoint_outer_step(node) >= 1, ROUND_S,
+            swarm.wait(lambda: node.outer_steps() and checkpoint_step(node) >= 1, ROUND_S,
                        "first outer step and its checkpoint", node)
             node.proc.kill()  # the main process only
             node.proc.wait(timeout=30)

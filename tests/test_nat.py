@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from diloco_swarm.averaging.codec import roundtrip
 from natlib import nat_topology, unavailable_reason
 from swarmlib import Swarm
 
@@ -24,7 +25,11 @@ _why = unavailable_reason()
 if _why:
     pytestmark.append(pytest.mark.skip(reason=_why))
 
-INT8_TOLERANCE = 0.03  # relative L2 error of a blockwise-int8 average
+# An ok round's error against the true mean may exceed that of the same Δs quantized the way the
+# round does (each member's Δ once, then the average once: `_int8_error` below) by this
+# factor. Measured: 0.95-0.99x. A fixed share of the mean's norm was not a bound: int8 error scales with
+# the blocks' absmax, and the mean shrinks when members' Δs point apart (CI saw 0.035 where 0.008 is usual).
+INT8_SLACK = 2.0
 # Blocking sync mode: these tests stage who enters matchmaking first (test (b)); the rounds they check
 # are the same in both modes, and overlapped rounds are tested on 127.0.0.1 (tests/test_overlap.py).
 BASE_ARGS = ["--host", "0.0.0.0", "--wait-for-peers", "4", "--sync-mode", "blocking"]
@@ -36,9 +41,16 @@ def _rounds(dump_dir: Path) -> list[dict]:
     return [torch.load(p, weights_only=True) for p in sorted(dump_dir.glob("*.pt"))]
 
 
-def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    num = sum(float((x - y).pow(2).sum()) for x, y in zip(a, b))
-    return (num / max(sum(float(y.pow(2).sum()) for y in b), 1e-30)) ** 0.5
+def _int8_error(applied: list[torch.Tensor], members: list[dict]) -> tuple[float, float]:
+    """(||applied − true weighted mean||, the same for the members' Δs quantized as a round does:
+    ``roundtrip(Σ w·roundtrip(Δ) / Σ w)``), both over ||true mean||. ``members``: their round dumps."""
+    flat = lambda tensors: torch.cat([t.flatten().float() for t in tensors])  # noqa: E731
+    weights, locals_ = [float(m["weight"]) for m in members], [flat(m["local"]) for m in members]
+    total = sum(weights)
+    mean = sum(w * d for w, d in zip(weights, locals_)) / total
+    quantized = roundtrip(sum(w * roundtrip(d) for w, d in zip(weights, locals_)) / total)
+    scale = max(float(mean.norm()), 1e-30)
+    return float((flat(applied) - mean).norm()) / scale, float((quantized - mean).norm()) / scale
 
 
 def check_rounds(dump_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -64,12 +76,13 @@ def check_rounds(dump_dir: Path) -> tuple[list[dict], list[dict]]:
         group = oks[0]["group"]
         missing = set(group) - set(dumps)
         assert not missing, f"round {group_id}: no dump of members {missing}"
-        members = [dumps[p] for p in group]
-        total = sum(m["weight"] for m in members)
-        mean = [sum(m["weight"] * m["local"][i] for m in members) / total for i in range(len(members[0]["local"]))]
         for other in oks[1:]:
             assert all(torch.equal(x, y) for x, y in zip(oks[0]["applied"], other["applied"])), f"{group_id}: differ"
-        assert _rel(oks[0]["applied"], mean) < INT8_TOLERANCE, f"round {group_id}: the average is not the true mean"
+        members = [dumps[p] for p in group]
+        error, expected = _int8_error(oks[0]["applied"], members)
+        assert error <= INT8_SLACK * expected, (
+            f"round {group_id}: the average is not the true mean: error {error:.4f} of its norm, int8 alone "
+            f"{expected:.4f}; weights {[m['weight'] for m in members]}, outer steps {[m['outer_step'] for m in members]}")
     failed = [r for r in rounds if not r["ok"] and len(r["group"]) >= 2]
     return [r for r in rounds if r["ok"]], failed
 

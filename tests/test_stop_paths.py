@@ -22,10 +22,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from diloco_swarm.utils.hivemind_fixes import SOCKET_DIR_PREFIX
-from swarmlib import NodeProc
+from swarmlib import NodeProc, checkpoint_step
 from test_churn import NO_START_BARRIER, ROUND_S, START_S, ChurnSwarm, last_maddr
 
 pytestmark = [pytest.mark.swarm]
@@ -54,15 +53,6 @@ def send(node: NodeProc, sig: int, group: bool) -> None:
         os.killpg(node.proc.pid, sig)  # the node leads its own process group (Swarm.start(session=True))
     else:
         node.proc.send_signal(sig)
-
-
-def checkpoint_step(node: NodeProc) -> int:
-    """The checkpoint's outer step; 0 when there is none yet (stopped before its first outer step)."""
-    if not (node.state_dir / "checkpoint.pt").exists():
-        return 0
-    state = torch.load(node.state_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
-    assert all(torch.isfinite(t).all() for t in state["outer"]["theta"])
-    return int(state["outer_step"])
 
 
 def reach_phase(swarm: ChurnSwarm, target: NodeProc, partner: NodeProc, phase: str, n0: int) -> None:
@@ -103,7 +93,7 @@ def test_every_signal_in_every_phase_stops_within_20s_with_the_checkpoint_intact
             args = {INNER: ["--batch-size", "96"], ALLREDUCE: ["--fault", "stall-allreduce"]}.get(phase, [])
             (tmp_path / "target" / "allreduce-stalled").unlink(missing_ok=True)
             (partner.state_dir / "digest-withheld").unlink(missing_ok=True)
-            resumed = checkpoint_step(target) if target is not None else 0
+            resumed = checkpoint_step(target, missing=0) if target is not None else 0
             n0 = len(swarm.nodes["target"].events()) if "target" in swarm.nodes else 0
             log0 = len(swarm.nodes["target"].output()) if "target" in swarm.nodes else 0
             target = swarm.start("target", "--initial-peers", last_maddr(partner), *NO_START_BARRIER, *args,
@@ -126,7 +116,7 @@ def test_every_signal_in_every_phase_stops_within_20s_with_the_checkpoint_intact
             after = events_since(target, n0)
             stop = [e for e in after if e.get("event") == "stop"]
             assert stop and stop[-1]["graceful"] is True, (name, after[-4:])
-            assert checkpoint_step(target) == stop[-1]["outer_step"], name
+            assert checkpoint_step(target, missing=0) == stop[-1]["outer_step"], name
             kinds = [e["event"] for e in after]
             if phase == INNER:  # stopped before it reached matchmaking
                 assert "averaging_start" not in kinds[kinds.index("eval"):], (name, kinds)
@@ -151,5 +141,5 @@ def test_every_signal_in_every_phase_stops_within_20s_with_the_checkpoint_intact
         seconds = time.monotonic() - t0
         print(f"double SIGTERM to the process group: exit {code} in {seconds:.1f}s")
         assert code in (0, 130, -signal.SIGTERM) and seconds <= 5.0, (code, seconds, target.output()[-2000:])
-        checkpoint_step(target)
+        checkpoint_step(target, missing=0)
         print("\n".join(timings))

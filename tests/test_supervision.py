@@ -22,7 +22,12 @@ from diloco_swarm.dht.calls import ChildUnavailable, dht_get, dht_run, dht_store
 from diloco_swarm.dht.records import PeerRecordPublisher, record_validators
 from diloco_swarm.dht.swarm import explain_dht_error, start_dht
 from diloco_swarm.node.redial import dial_peers
-from diloco_swarm.node.watchdog import Watchdog, children_of, node_parts, node_pids
+from diloco_swarm.node.watchdog import Watchdog, children_of, node_parts
+
+
+def dht_pids(dht) -> list[int]:
+    """Pids of the DHT process and its p2pd."""
+    return [dht.pid] + [pid for pid, name in children_of(dht.pid) if name == "p2pd"]
 
 
 def isolated(test):
@@ -41,7 +46,7 @@ def isolated(test):
             try:
                 test(node, tmp_path, *args, **kwargs)
             finally:
-                for pid in node_pids(node, None):
+                for pid in dht_pids(node):
                     if pid != node.pid:
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(pid, signal.SIGKILL)
@@ -147,7 +152,7 @@ def test_a_hung_call_is_bounded_and_stop_ends_it_early(dht, tmp_path):
 def test_watchdog_reports_a_lost_part_once(dht, tmp_path, victim):
     parts = node_parts(dht, None)
     assert any("p2pd" in name for name in parts) and any("DHT process" in name for name in parts)
-    owners = node_pids(dht, None)
+    owners = dht_pids(dht)
     calls: list[str] = []
     watchdog = Watchdog(parts, calls.append, poll_s=0.2).start()
     time.sleep(0.6)

@@ -204,7 +204,17 @@ class Node(Startup, StateSync):
         mine, swarm = self.stats.inner_step_s, self.swarm_inner_step_s
         if not mine or not swarm:
             return H
-        return max(self.min_inner_steps, min(self.max_inner_steps, round(H * swarm / mine)))
+        return self._within_dylu_range(round(H * swarm / mine))
+
+    def _within_dylu_range(self, steps: int) -> int:
+        return max(self.min_inner_steps, min(self.max_inner_steps, steps))
+
+    def _steps_to_swarm_handoff(self, step_s: float | None) -> int | None:
+        """Inner steps of ``step_s`` seconds until the other online peers' median ``phase_eta``
+        (≤ 0 once it has passed); None when either is unknown."""
+        if not self.swarm_phase_eta or not step_s:
+            return None
+        return round((self.swarm_phase_eta - time.time()) / step_s)
 
     def _replan_first_phase(self, steps: int, inner_s: float) -> int:
         """The target of a phase planned (H steps) before this peer had timed an inner step, once
@@ -212,24 +222,17 @@ class Node(Startup, StateSync):
         one still ahead, else DyLU's H × swarm ÷ ours, else H; within the DyLU range, never below
         ``steps`` (= end now). A slow newcomer is then not a whole slow phase late for its first round.
         Also publishes the new hand-off time (``phase_eta``)."""
-        step_s, now = inner_s / steps, time.time()
-        if self.swarm_phase_eta and self.swarm_phase_eta > now:
-            plan = steps + round((self.swarm_phase_eta - now) / step_s)
+        step_s = inner_s / steps
+        ahead = self._steps_to_swarm_handoff(step_s)
+        if ahead is not None and ahead > 0:
+            plan = steps + ahead
         elif self.swarm_inner_step_s:
             plan = round(self.spec.inner_steps * self.swarm_inner_step_s / step_s)
         else:
             plan = self.spec.inner_steps
-        plan = max(steps, self.min_inner_steps, min(self.max_inner_steps, plan))
-        self.stats.phase_eta = now + (plan - steps) * step_s
+        plan = max(steps, self._within_dylu_range(plan))
+        self.stats.phase_eta = time.time() + (plan - steps) * step_s
         return plan
-
-    def _steps_to_swarm_handoff(self, default: int) -> int:
-        """Inner steps until the online peers' median ``phase_eta``, within the DyLU range
-        (``default`` when neither that nor our step time is known)."""
-        eta, step_s = self.swarm_phase_eta, self.stats.inner_step_s
-        if not eta or not step_s:
-            return default
-        return max(self.min_inner_steps, min(self.max_inner_steps, round((eta - time.time()) / step_s)))
 
     def _inner_phase(self) -> Handoff | None:
         """One inner phase: DyLU-sized, extended while the previous round is still in flight.
@@ -273,7 +276,8 @@ class Node(Startup, StateSync):
                 if self.stats.state_syncs != syncs:
                     # θ_local restarted from an adopted state: its Δ starts over, and the phase now ends
                     # when the swarm's does (a full new phase would make us late for every round after)
-                    target = self._steps_to_swarm_handoff(default=max(target - steps, self.min_inner_steps))
+                    ahead = self._steps_to_swarm_handoff(self.stats.inner_step_s)
+                    target = self._within_dylu_range(ahead if ahead is not None else target - steps)
                     self.stats.wasted_inner_s += self.stats.inner_s - inner_before
                     steps, tokens, losses, inner_before = 0, 0, [], self.stats.inner_s
             now = time.monotonic()

@@ -100,16 +100,6 @@ def node_parts(dht, averager) -> dict[str, Probe]:
     return parts
 
 
-def node_pids(dht, averager) -> list[int]:
-    """Pids of the DHT process, its p2pd and the averager process (those alive now)."""
-    pids = []
-    if dht is not None and dht.pid:
-        pids += [dht.pid] + [pid for pid, name in children_of(dht.pid) if name == "p2pd"]
-    if averager is not None and averager.pid:
-        pids.append(averager.pid)
-    return pids
-
-
 def end_processes(*procs) -> None:
     """SIGTERM each live ``multiprocessing.Process`` in ``procs`` (their p2pd dies with the DHT process)."""
     for proc in procs:
