@@ -417,6 +417,45 @@ def _first_event(path: Path) -> dict | None:
     return json.loads(line) if line.strip() else None
 
 
+@pytest.mark.timeout(240)
+def test_dashboard_redials_its_bootstrap_peer_after_a_restart(tmp_path):
+    """The only node the dashboard reached dies and comes back at the same address (same identity,
+    same port): the dashboard reports failed polls while it is down, then dials it again."""
+    from hivemind import DHT
+
+    run_id, port = f"dash-redial-{os.getpid()}", free_port()
+    (tmp_path / "node").mkdir()  # the record key lives here: the restarted peer owns the same row
+    validators = record_validators(run_id, tmp_path / "node")
+
+    def start_peer(outer_step: int):
+        dht = DHT(start=True, initial_peers=[], host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"],
+                  identity_path=str(tmp_path / "identity.key"), record_validators=validators,
+                  use_relay=False, use_auto_relay=False)
+        snap = {**rec(dht.peer_id.to_base58(), name="boot", outer_step=outer_step).dict(), "updated": None}
+        pub = PeerRecordPublisher(dht, run_id, validators, lambda: dict(snap), interval_s=2.0)
+        pub.start()
+        return dht, pub
+
+    dht, pub = start_peer(outer_step=1)
+    dash = None
+    try:
+        maddr = [str(a) for a in dht.get_visible_maddrs()]
+        dash, dash_port = start_dashboard(tmp_path, maddr, run_id)
+        wait_until(lambda: get_state(dash_port)["totals"]["peers_online"] == 1, 120, what="the record")
+        pub.stop(remove=False)  # a crash: no goodbye; the record expires within 6 s
+        dht.shutdown()
+        wait_until(lambda: get_state(dash_port)["last_poll_ok"] is False, 60, what="a failed poll while it is down")
+        dht, pub = start_peer(outer_step=2)
+        wait_until(lambda: [p["outer_step"] for p in get_state(dash_port)["peers"] if p["state"] == "online"] == [2],
+                   60, what="the restarted peer's record")
+        assert get_state(dash_port)["last_poll_ok"] is True
+    finally:
+        stop_process(dash)
+        with contextlib.suppress(Exception):
+            pub.stop(remove=False)
+        dht.shutdown()
+
+
 @pytest.mark.swarm
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is missing (apt-get install chromium)")

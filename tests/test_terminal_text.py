@@ -57,3 +57,13 @@ def test_status_table_at_80_columns_keeps_reach():
     assert lines[5].split()[0] == "bob" and lines[5].rstrip().endswith("unverified"), lines
     assert "failed (2 in all)" in lines[3], lines
     assert all(len(line) <= 80 for line in lines)
+
+
+def test_a_solo_round_is_not_shown_as_failed():
+    rows = [row(name="alone", last_round_ok=False, last_round_group_size=1),
+            row(name="pair", last_round_ok=False, last_round_group_size=2, failed_rounds=1)]
+    out = io.StringIO()
+    Console(file=out, width=200, force_terminal=False, color_system=None).print(render_table(rows, "my-run", 200))
+    alone, pair = (next(line for line in out.getvalue().splitlines() if name in line) for name in ("alone", "pair"))
+    assert "solo" in alone and "failed" not in alone, alone
+    assert "failed (1 in all)" in pair, pair

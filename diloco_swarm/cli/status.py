@@ -15,6 +15,7 @@ from rich.text import Text
 from diloco_swarm.cli.text import printable
 
 STALE_AFTER_S = 20.0
+REDIAL_EVERY_S = 10.0  # a reader that finds no record re-dials its --initial-peers at most this often
 
 
 def dht_listen_host(initial_peers: list[str]) -> str:
@@ -92,8 +93,10 @@ EntriesReader = Callable[[], "list | None"]  # () -> [PeerEntry], or None when t
 def open_reader(peers: list[str], run_id: str, light: bool) -> tuple[EntriesReader, Callable[[], None]]:
     """``(read, close)``: one look at the run's verified records per ``read()``.
 
-    hivemind: a client-mode DHT (a daemon process) kept open until ``close()``. Light: each read dials
-    afresh (a few ms on a LAN) and never raises; nothing to close.
+    hivemind: a client-mode DHT (a daemon process) kept open until ``close()``. A read that finds no
+    record re-dials ``peers`` (at most every ``REDIAL_EVERY_S`` s: the peers it knew may have restarted
+    at the same address) and returns None, a failed read, when none of them answers. Light: each read
+    dials afresh (a few ms on a LAN) and never raises; nothing to close.
 
     :raises ValueError: no initial peer answered, or the DHT could not start (its text is the one-line error).
     """
@@ -112,11 +115,25 @@ def open_reader(peers: list[str], run_id: str, light: bool) -> tuple[EntriesRead
     from diloco_swarm.dht.records import read_peer_entries
     from diloco_swarm.dht.swarm import SwarmError
 
+    from diloco_swarm.node.redial import dial_peers
+
     try:
         dht = join_as_reader(peers, run_id)
     except SwarmError as e:
         raise ValueError(reader_message(e)) from None
-    return (lambda: read_peer_entries(dht, run_id)), dht.shutdown
+    last_dial = time.monotonic()
+
+    def read():
+        nonlocal last_dial
+        entries = read_peer_entries(dht, run_id)
+        if any(e.record is not None for e in entries or ()) or time.monotonic() - last_dial < REDIAL_EVERY_S:
+            return entries  # (tombstones alone do not count: a swarm of departed peers may have restarted)
+        last_dial = time.monotonic()
+        if not dial_peers(dht, peers):
+            return None  # cut off from the swarm: a failed poll, not an empty swarm
+        return read_peer_entries(dht, run_id)
+
+    return read, dht.shutdown
 
 
 def collect_rows(read: EntriesReader, *, attempts: int = 3, stale_after_s: float = STALE_AFTER_S) -> list[dict[str, Any]] | None:
@@ -181,15 +198,15 @@ def render_table(rows: list[dict[str, Any]], run_id: str, width: int = 120) -> T
         # and Text (never a plain str) keeps rich from reading [brackets] as markup.
         peer = Text(printable(r["name"]) + " " if r["name"] else "", style="bold")
         peer.append(short_id(printable(r["peer_id"])), style="dim")
+        last_failed = r["last_round_ok"] is False and r["last_round_group_size"] >= 2  # a solo round is not a failure
         if r["last_round_ok"] is None:
             rnd = Text("–")
-        elif not r["last_round_ok"]:
+        elif last_failed:
             rnd = Text("failed", style="red")
         else:
             rnd = Text("solo" if r["last_round_group_size"] <= 1 else f"{r['last_round_group_size']} peers ok")
         if r["failed_rounds"]:
-            rnd.append(f" ({r['failed_rounds']} in all)" if r["last_round_ok"] is False else f" ({r['failed_rounds']} failed)",
-                       style="red")
+            rnd.append(f" ({r['failed_rounds']} in all)" if last_failed else f" ({r['failed_rounds']} failed)", style="red")
         state = Text(r["state"], style="green" if r["state"] == "online" else "yellow")
         reach = Text(printable(r["reachability"]))
         if wide:

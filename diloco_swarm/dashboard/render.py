@@ -296,10 +296,10 @@ def _round(row: dict[str, Any]) -> str:
     ok, size = row.get("last_round_ok"), row.get("last_round_group_size") or 0
     if ok is None:
         main = "–"
+    elif size <= 1:  # no group formed: not a failure
+        main = "solo"
     elif not ok:
         main = '<span class="bad">failed</span>'
-    elif size <= 1:
-        main = "solo"
     else:
         main = f"{int(size)} peers"
     if ok is not None:
