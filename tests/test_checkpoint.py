@@ -85,13 +85,14 @@ def _corrupt_cases(good_bytes):
     return {
         "truncated": good_bytes[: len(good_bytes) // 2],
         "truncated_tiny": good_bytes[:20],
+        "truncated_5000": good_bytes[:5000],  # torch.load fails with OSError(EINVAL) here, not a format error
         "empty": b"",
         "garbage": b"this is not a checkpoint\n" * 40,
         "zeros": bytes(4096),
     }
 
 
-@pytest.mark.parametrize("case", ["truncated", "truncated_tiny", "empty", "garbage", "zeros"])
+@pytest.mark.parametrize("case", ["truncated", "truncated_tiny", "truncated_5000", "empty", "garbage", "zeros"])
 def test_corrupt_checkpoint_raises_a_clear_error_and_is_left_untouched(tmp_path, case):
     save_checkpoint(tmp_path, state(1))
     bad = _corrupt_cases((tmp_path / CHECKPOINT_NAME).read_bytes())[case]
@@ -102,6 +103,7 @@ def test_corrupt_checkpoint_raises_a_clear_error_and_is_left_untouched(tmp_path,
         load_checkpoint(path)
     message = str(info.value)
     assert str(path) in message
+    assert "is corrupt or truncated" in message  # the wording docs/operations.md promises
     assert "start fresh" in message and f"mv {path}" in message
     assert "\n" not in message and len(message) < 400
     assert "weights_only" not in message  # torch's long advice about trusting files is no use here
@@ -116,6 +118,12 @@ def test_corrupt_checkpoint_message_offers_the_previous_one(tmp_path):
     with pytest.raises(CheckpointError, match="restore the previous one") as info:
         load_checkpoint(tmp_path / CHECKPOINT_NAME)
     assert str(tmp_path / PREVIOUS_NAME) in str(info.value)
+
+
+def test_an_unreadable_checkpoint_says_so_not_corrupt(tmp_path):
+    (tmp_path / CHECKPOINT_NAME).mkdir()  # a folder in its place: open() fails, whatever the permissions
+    with pytest.raises(CheckpointError, match=r"cannot be read \(Is a directory\)"):
+        load_checkpoint(tmp_path / CHECKPOINT_NAME)
 
 
 def test_a_torch_file_of_something_else_is_refused(tmp_path):

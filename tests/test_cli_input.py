@@ -59,6 +59,9 @@ CASES = {
     "dataset-missing": (["--dataset", "{tmp}/no-such-file.txt"], ["no-such-file.txt", "does not exist"]),
     "dataset-empty-folder": (["--dataset", "{tmp}/empty"], ["empty", "contains no files"]),
     "dataset-glob-no-match": (["--dataset", "{tmp}/*.nothing"], ["*.nothing", "matched no files"]),
+    "metrics-file-folder": (["--metrics-file", "{tmp}/empty"], ["--metrics-file ", "empty: is a directory"]),
+    "tokenizer-missing": (["--model", "llama-tiny", "--tokenizer", "/no-such-tokenizer"],
+                          ["--tokenizer '/no-such-tokenizer' does not exist"]),
 }
 
 
@@ -81,6 +84,39 @@ def test_a_busy_port_is_refused_before_the_heavy_imports(poisoned_env, tmp_path)
         out = run_join(poisoned_env, tmp_path, "--host", "127.0.0.1", "--port", str(port))
     line = error_line(out.stderr, out.returncode, out.stdout)
     assert f"port {port} on 127.0.0.1 is already in use" in line
+
+
+def test_a_name_longer_than_peer_records_hold_is_cut_with_one_warning(poisoned_env, tmp_path):
+    from diloco_swarm.cli.app import MAX_NAME
+    from diloco_swarm.dht.records import MAX_NAME as RECORD_MAX_NAME
+
+    assert MAX_NAME == RECORD_MAX_NAME
+    out = run_join(poisoned_env, tmp_path, "--name", "n" * 80, "--dataset", str(tmp_path / "missing"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 2 and lines[1].startswith("error: "), out.stderr
+    assert lines[0].startswith("warning: --name is 80 characters long") and f"first {MAX_NAME}" in lines[0], lines[0]
+    assert repr("n" * MAX_NAME) in lines[0]
+    ok = run_join(poisoned_env, tmp_path, "--name", "n" * MAX_NAME, "--dataset", str(tmp_path / "missing"))
+    assert "warning" not in ok.stderr, ok.stderr
+
+
+def test_join_help_shows_flags_without_a_value(poisoned_env):
+    out = subprocess.run([*NODE, "--help"], env={**poisoned_env, "COLUMNS": "200"}, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--public" in out.stdout and "--client-mode" in out.stdout
+    assert "<bool>" not in out.stdout, out.stdout  # typer 0.29 showed `--public <bool>`, `--help <bool>`
+    assert "<str>" in out.stdout or "TEXT" in out.stdout  # options that take a value keep their type (--name)
+
+
+def test_demo_refuses_a_missing_dataset_before_making_its_run_folder(poisoned_env, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "diloco_swarm", "demo", "--port", "0", "--workdir", str(tmp_path / "w"),
+                          "--dataset", str(tmp_path / "nope")], cwd=tmp_path, env=poisoned_env, capture_output=True,
+                         text=True, timeout=60)
+    line = error_line(out.stderr, out.returncode, out.stdout)
+    assert str(tmp_path / "nope") in line and "does not exist" in line
+    assert not (tmp_path / "w").exists()
 
 
 def test_addresses_the_node_accepts_pass_the_quick_check():

@@ -319,7 +319,9 @@ def test_export_errors_are_one_line_and_exit_2(tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     cases = {"missing": ("none", "o1", "does not exist"), "no checkpoint": ("empty", "o2", "holds no checkpoint"),
-             "corrupt": ("bad", "o3", "corrupt or truncated"), "out not empty": ("ok", "full", "not empty")}
+             "corrupt": ("bad", "o3", "corrupt or truncated"), "out not empty": ("ok", "full", "not empty"),
+             # the kernel refuses new files in /proc even to root; the message names --out, not its temp folder
+             "out not writable": ("ok", "/proc/nc-exp", "--out /proc/nc-exp cannot be written")}
     runs = run_all({name: ["export", "--state-dir", str(tmp_path / sd), "--out", str(tmp_path / out)]
                     for name, (sd, out, _) in cases.items()}, timeout=120)
     for name, (_, _, expected) in cases.items():

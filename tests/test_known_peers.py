@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 
 from hivemind.p2p import PeerID
 
 from diloco_swarm.node.known_peers import (FORGET_AFTER_S, MAX_FILE_BYTES, MAX_MADDRS_PER_PEER, MAX_PEERS,
-                                           known_peers_path, load_known_peers, remember_peers)
+                                           PORT_FILE, known_peers_path, load_known_peers, previous_port,
+                                           remember_peers, save_port)
 
 A = "QmXrYYRZm9dFWsiVF8eeJst9kbbLM8ZwKnKbb1dS2U4Hkr"
 B = "QmduEXfMqLgassRnJzsERT79N8AQxEd4koBY9HCfbr5WY9"
@@ -113,3 +115,17 @@ def test_public_addresses_are_kept_first(tmp_path):
     kept = load_known_peers(tmp_path, "run", now=1.0)
     assert kept[0] == addr(A, ip="93.184.216.34") and addr(A, ip="127.0.0.1") not in kept
     assert len(kept) == MAX_MADDRS_PER_PEER
+
+
+def test_a_restart_listens_on_its_last_port_when_it_is_free(tmp_path):
+    assert previous_port(tmp_path, "127.0.0.1") == 0  # first run: any port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        save_port(tmp_path, ["not an address", addr(ME, port, "127.0.0.1")])
+        s.listen()
+        assert previous_port(tmp_path, "127.0.0.1") == 0  # taken by someone else now: any port
+    assert previous_port(tmp_path, "127.0.0.1") == port
+    for junk in ("", "http", "-5", "70000"):
+        (tmp_path / PORT_FILE).write_text(junk)
+        assert previous_port(tmp_path, "127.0.0.1") == 0

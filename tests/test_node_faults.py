@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -116,22 +115,29 @@ def test_a_copied_state_dir_refuses_to_run_twice(tmp_path):
         assert len(lines) == 1 and "identity" in lines[0] and "state dir" in lines[0].replace("--state-dir", "state dir"), lines
         assert "Traceback" not in copy.output()
         assert not copy.events("outer_step")  # refused before training
+        # pointed at the original itself: libp2p will not dial its own peer id, so no peer answers at all
+        # (without peers.json: with it, the copy dials a, whose ping back reaches b: the line above)
+        (tmp_path / "copy" / "peers.json").unlink(missing_ok=True)
+        copy = swarm.start("copy", "--initial-peers", last_maddr(b), *NO_START_BARRIER, wait_start=False)
+        assert swarm.wait_exit(copy, START_S) == 2, copy.output()[-3000:]
+        lines = error_lines(copy)[1:]
+        assert len(lines) == 1 and "own peer id" in lines[0] and "copied --state-dir" in lines[0], lines
         assert b.alive() and a.alive()
         swarm.leave_all()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def listen_port(node) -> int:
+    return int(node.events("start")[-1]["maddrs"][0].split("/tcp/")[1].split("/")[0])
 
 
 @pytest.mark.timeout(900)
 def test_a_paused_run_restarted_all_at_once_meets_again(tmp_path):
-    ports = {"a": free_port(), "b": free_port()}
+    """Both nodes of a run stop, then restart at once with the default --port 0 and no --initial-peers:
+    each listens on its last port again, so the addresses in the other's peers.json still work."""
     with ChurnSwarm(tmp_path, "paused", extra=["--wait-for-peers", "2"]) as swarm:
-        a = swarm.start("a", "--port", str(ports["a"]), timeout=START_S)
-        b = swarm.start("b", "--port", str(ports["b"]), initial=a, timeout=START_S)
+        a = swarm.start("a", timeout=START_S)
+        b = swarm.start("b", initial=a, timeout=START_S)
+        ports = {n.name: listen_port(n) for n in (a, b)}
         known = lambda n, other: (n.state_dir / "peers.json").exists() and peer_id(other) in json.loads(  # noqa: E731
             (n.state_dir / "peers.json").read_text())["peers"]
         swarm.wait_alive(lambda: known(a, b) and known(b, a) and all(
@@ -142,9 +148,10 @@ def test_a_paused_run_restarted_all_at_once_meets_again(tmp_path):
 
         t_restart = time.time()
         for name in ("a", "b"):  # both at once, neither with --initial-peers
-            swarm.start(name, "--port", str(ports[name]), *NO_START_BARRIER, wait_start=False)
+            swarm.start(name, *NO_START_BARRIER, wait_start=False)
         for node in (a, b):
             swarm.wait_alive(lambda: len(node.events("start")) >= 2, START_S, f"{node.name} restarts", (a, b))
+            assert listen_port(node) == ports[node.name], (node.name, node.events("start")[-1]["maddrs"])
         together = lambda n, other: [r for r in records_after(n, t_restart)  # noqa: E731
                                      if r["round_ok"] and peer_id(other) in r["group"]]
         swarm.wait_alive(lambda: together(a, b) and together(b, a), 4 * ROUND_S,

@@ -21,6 +21,27 @@ from rich.markup import escape
 
 from diloco_swarm.cli.text import printable
 
+
+def _show_flags_bare() -> None:
+    """typer 0.29's rich help prints a flag's type as if the flag took a value (``--public <bool>``,
+    even ``--help <bool>``); its plain help and the parser do not. Show flags bare, as click does."""
+    try:
+        from typer.core import TyperOption
+    except ImportError:
+        return
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "bare_flags", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.bare_flags = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_show_flags_bare()
+
 app = typer.Typer(
     name="diloco-node",
     help=(
@@ -52,6 +73,7 @@ class Compression(str, Enum):
     fp32 = "fp32"
 
 
+MAX_NAME = 64  # = dht/records.py MAX_NAME (not imported here: it loads hivemind)
 FAULT_NAMES = ("", "nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part")  # = node/faults.py FAULTS
 
 
@@ -124,7 +146,7 @@ def join(
     max_outer_steps: Annotated[int, typer.Option(min=0, help="Stop once the outer step reaches this number: the swarm's absolute step (kept across restarts; a joiner syncs to the swarm's), not a count of steps for this run, so a node resumed at or past it trains no step. 0 = run until stopped.", rich_help_panel=LOCAL)] = 0,
     state_dir: Annotated[Path, typer.Option(help="Identity key, checkpoints and lock of this node. One node per state dir; restart with the same dir to resume.", rich_help_panel=LOCAL)] = Path("diloco-state"),
     metrics_file: Annotated[Optional[Path], typer.Option(help="Append JSON Lines metrics here (one object per outer step; see docs/metrics.md).", rich_help_panel=LOCAL)] = None,
-    name: Annotated[str, typer.Option(help="Nickname shown to other peers.", rich_help_panel=LOCAL)] = "",
+    name: Annotated[str, typer.Option(help=f"Nickname shown to other peers (at most {MAX_NAME} characters).", rich_help_panel=LOCAL)] = "",
     max_dataset_bytes: Annotated[Optional[int], typer.Option(min=1024, help="Read at most this many bytes of the dataset (faster start on big corpora).", rich_help_panel=LOCAL)] = None,
     wait_for_peers: Annotated[int, typer.Option(min=0, help="Before training, wait up to 2 minutes until this many peers (this one included) are online. 0 = start at once.", rich_help_panel=SWARM)] = 0,
     target_group_size: Annotated[int, typer.Option(min=0, help="Peers per averaging group; 0 = the whole swarm in one group (up to --max-group-size), so every peer holds one θ_global: a group must hold a majority of the online peers.", rich_help_panel=AVERAGING)] = 0,
@@ -159,6 +181,10 @@ def join(
         raise fail("--matchmaking-time must be shorter than --averaging-window")
     if client_mode and public:
         raise fail("--client-mode and --public contradict each other; give at most one")
+    if len(name) > MAX_NAME:  # peer records hold at most MAX_NAME characters
+        err.print(f"warning: --name is {len(name)} characters long; other peers see only its first {MAX_NAME}: "
+                  f"{escape(repr(printable(name[:MAX_NAME])))}", soft_wrap=True)
+        name = name[:MAX_NAME]
     try:
         spec = RunSpec(
             run_id=run_id,
@@ -183,7 +209,7 @@ def join(
 
     try:  # before the slow imports below (torch, hivemind), so that bad input is refused at once
         check_join_input(initial_peers=initial_peers or [], announce=announce or [], host=host, port=port,
-                         dataset=dataset, model=model, tokenizer=tokenizer)
+                         dataset=dataset, model=model, tokenizer=tokenizer, metrics_file=metrics_file)
     except InputError as e:
         raise fail(str(e))
     from diloco_swarm.dht.swarm import SwarmError, parse_initial_peers
@@ -310,10 +336,11 @@ def demo(
     """Start a local swarm of N real `diloco-node join` processes on 127.0.0.1 and watch them train."""
     require_node("demo")
     from diloco_swarm.cli.demo import run_demo
-    from diloco_swarm.cli.precheck import InputError, check_port
+    from diloco_swarm.cli.precheck import InputError, check_dataset, check_port
 
-    try:
+    try:  # before the run folder is made: bad input leaves nothing behind
         check_port("127.0.0.1", port)
+        check_dataset(dataset)
     except InputError as e:
         raise fail(str(e))
     try:

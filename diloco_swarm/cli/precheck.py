@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from diloco_swarm.utils.net import host_problem, port_problem
 
@@ -123,9 +124,17 @@ def check_model_and_tokenizer(model: str, tokenizer: str | None) -> None:
         raise InputError(problem)
 
 
+def check_metrics_file(metrics_file: Path | None) -> None:
+    """:raises InputError: ``--metrics-file`` is a folder (same message as ``node.runner.Node``)."""
+    if metrics_file is not None and metrics_file.is_dir():
+        raise InputError(f"--metrics-file {metrics_file}: is a directory")
+
+
 def check_join_input(*, initial_peers: Sequence[str], announce: Sequence[str], host: str, port: int,
-                     dataset: str | None, model: str = "tiny", tokenizer: str | None = None) -> None:
+                     dataset: str | None, model: str = "tiny", tokenizer: str | None = None,
+                     metrics_file: Path | None = None) -> None:
     """All of the above, in the order the node itself would find the problems. :raises InputError:"""
+    check_metrics_file(metrics_file)
     check_initial_peers(initial_peers)
     check_model_and_tokenizer(model, tokenizer)
     check_dataset(dataset)

@@ -217,6 +217,13 @@ def start_dht(
                 except SwarmError:
                     time.sleep(0.5)
     if bootstrap_failed:
+        own = _own_peer_id(identity_path)
+        if own is not None and set(peer_ids_of(initial_peers)) == {own}:  # libp2p never dials itself
+            raise BootstrapFailed(
+                f"the --initial-peers are this node's own peer id ({own}, from {identity_path}): another node runs "
+                "with this node's identity (a copied --state-dir: give each node its own, or delete identity.key "
+                "and record.key in the copy), or these are this node's own addresses; give the address of another node"
+            )
         raise BootstrapFailed(
             "none of the --initial-peers answered (" + ", ".join(initial_peers) + "); check the addresses and "
             "that those nodes are running, or omit --initial-peers to start a new swarm"
@@ -231,6 +238,16 @@ def start_dht(
         raise SwarmError(problem or f"hivemind's libp2p daemon (p2pd) cannot run on this host ({text}); "
                          "see docs/networking.md")
     raise SwarmError(f"could not start the DHT: {text}")
+
+
+def _own_peer_id(identity_path: Path | None) -> str | None:
+    """The peer id of the private key at ``identity_path`` (hivemind's identity file), or None."""
+    from hivemind.p2p import PeerID
+
+    try:
+        return PeerID.from_identity(Path(identity_path).read_bytes()).to_base58() if identity_path else None
+    except Exception:
+        return None
 
 
 _CLOCK_SKEW = re.compile(r"within (?P<limit>[\d.]+) seconds.*local: (?P<local>[\d.]+), peer: (?P<peer>[\d.]+)")

@@ -155,6 +155,17 @@ def _reason(e: BaseException) -> str:
     return first[:120]
 
 
+def _reads_through(path: Path) -> bool:
+    """True when every byte of ``path`` can be read: a load that failed anyway failed on the content."""
+    try:
+        with open(path, "rb") as f:
+            while f.read(1 << 24):
+                pass
+    except OSError:
+        return False
+    return True
+
+
 def load_checkpoint(path: Path) -> dict[str, Any] | None:
     """Read a checkpoint written by :func:`save_checkpoint`; ``None`` if the file does not exist.
 
@@ -171,7 +182,11 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except OSError as e:
-        raise CheckpointError(f"checkpoint {path} cannot be read ({e.strerror or type(e).__name__}); {how_to}") from None
+        if not _reads_through(path):  # the disk or the permissions, not the bytes
+            raise CheckpointError(f"checkpoint {path} cannot be read ({e.strerror or type(e).__name__}); {how_to}") from None
+        # torch's own seek or read past the end of a cut file (EINVAL): the file itself is damaged
+        reason = "not a complete PyTorch file" if not zipfile.is_zipfile(path) else (e.strerror or type(e).__name__)
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({reason}); {how_to}") from None
     except Exception as e:
         if not zipfile.is_zipfile(path):
             reason = "not a complete PyTorch file"

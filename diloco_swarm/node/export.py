@@ -134,9 +134,9 @@ def export_model(state_dir: Path, out: Path) -> dict[str, Any]:
         what was exported: model identity, outer step, architecture, files written.
 
     Raises:
-        ExportError: see :func:`node_model`; ``out`` exists and is not empty.
+        ExportError: see :func:`node_model`; ``out`` exists and is not empty; ``out`` cannot be
+            written (the disk write failed; ``out`` is not created).
         CheckpointError: a corrupt checkpoint.
-        OSError: the disk write failed (``out`` is not created).
     """
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out {out} already exists and is not empty; choose a new folder (nothing was written)")
@@ -146,8 +146,12 @@ def export_model(state_dir: Path, out: Path) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one summary line from the CLI instead
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as e:  # the message names --out, not the temp folder next to it
+        raise ExportError(f"--out {out} cannot be written ({e.strerror or type(e).__name__}); choose a writable "
+                          "folder (nothing was written)") from None
     try:
         hf_model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer_files = _copy_tokenizer(state_dir / MODEL_DIR, tmp)
@@ -160,8 +164,11 @@ def export_model(state_dir: Path, out: Path) -> dict[str, Any]:
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and str(e.filename or tmp).startswith(str(tmp)):  # disk full, quota: name --out
+            raise ExportError(f"--out {out} cannot be written ({e.strerror or type(e).__name__}); "
+                              "nothing was written") from None
         raise
     info["files"] = sorted(p.name for p in out.iterdir())
     return info

@@ -33,10 +33,42 @@ MAX_PEERS = 16  # most recently seen first
 MAX_MADDRS_PER_PEER = 4
 MAX_FILE_BYTES = 1 << 20
 FORGET_AFTER_S = 14 * 24 * 3600.0  # a peer unseen this long is dropped
+PORT_FILE = "listen-port"  # the TCP port of this node's last run, as text
 
 
 def known_peers_path(state_dir: Path) -> Path:
     return Path(state_dir) / FILE_NAME
+
+
+def previous_port(state_dir: Path, host: str) -> int:
+    """The TCP port this node listened on in its last run if it is free on ``host`` now, else 0 (any).
+
+    Other peers keep this node's multiaddrs (in their ``peers.json``, in the join lines users paste),
+    so a restart with ``--port 0`` on the same port keeps those addresses valid: a whole run restarted
+    at once finds itself again."""
+    from diloco_swarm.utils.net import port_problem
+
+    try:
+        port = int((Path(state_dir) / PORT_FILE).read_text(encoding="ascii").strip())
+    except (OSError, ValueError):
+        return 0
+    return port if 1 <= port <= 65535 and port_problem(host, port) is None else 0
+
+
+def save_port(state_dir: Path, maddrs: Iterable[str]) -> None:
+    """Keep the TCP port of this node's published ``maddrs`` for :func:`previous_port`. Never raises."""
+    for addr in maddrs:
+        try:
+            port = int(Multiaddr(addr).value_for_protocol("tcp"))
+        except Exception:
+            continue
+        tmp = Path(state_dir) / f".{PORT_FILE}.tmp"
+        try:
+            tmp.write_text(str(port), encoding="ascii")
+            os.replace(tmp, Path(state_dir) / PORT_FILE)
+        except OSError as e:
+            logger.debug(f"could not keep the listen port: {e}")
+        return
 
 
 def usable_maddrs(peer_id: str, maddrs: Iterable[Any]) -> list[str]:

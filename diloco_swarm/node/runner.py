@@ -97,7 +97,11 @@ class Node(Startup, StateSync):
         self.dht = None
         self.averager = None
         self.lock = None
-        self.metrics = MetricsWriter(config.metrics_file)
+        try:
+            self.metrics = MetricsWriter(config.metrics_file)
+        except OSError as e:  # a folder, or a path that cannot be written
+            reason = e.strerror or str(e)
+            raise NodeError(f"--metrics-file {config.metrics_file}: {reason[:1].lower()}{reason[1:]}") from None
         self.records = None
         self.client_mode = config.client_mode  # may switch on at start when we are unreachable
         self.reachability = "client" if config.client_mode else "unverified"  # public | unverified | client

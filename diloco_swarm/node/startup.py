@@ -104,7 +104,10 @@ class Startup:
         from diloco_swarm.dht.records import PeerRecordPublisher, record_validators
 
         validators = record_validators(spec.run_id, cfg.state_dir)
-        dht_args = dict(host=cfg.host, port=cfg.port, announce=cfg.announce,
+        from diloco_swarm.node.known_peers import previous_port, save_port
+
+        # --port 0: our last run's port when it is free, so the addresses other peers keep for us stay valid
+        dht_args = dict(host=cfg.host, port=cfg.port or previous_port(cfg.state_dir, cfg.host), announce=cfg.announce,
                         identity_path=cfg.state_dir / "identity.key", record_validators=validators)
         self.dht = self._start_dht_or_rejoin(dht_args)
         cfg = self.cfg  # its initial peers may now be the known peers we rejoined through
@@ -132,6 +135,7 @@ class Startup:
         if not self.client_mode:
             self.averager.state_sharing_priority = self._donor_priority()
         addrs = self.maddrs = visible_maddrs(self.dht)
+        save_port(cfg.state_dir, addrs)  # (a client has none: nobody dials it)
         self.records = PeerRecordPublisher(self.dht, spec.run_id, validators, self._record_snapshot, interval_s=5.0)
         self.records.start()
         self.status.log(
