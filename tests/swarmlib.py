@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -159,6 +160,13 @@ def theta_by_step(node: NodeProc) -> dict[int, str]:
         elif kind == "outer_step" and e.get("synced_to") is None and not synced_this_round:
             out[e["outer_step"]] = e["theta_digest"]
     return out
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def load_checkpoint(node: NodeProc) -> dict:

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
-from swarmlib import FAST_ARGS, NodeProc, Swarm, checkpoint_step, kill_tree, load_checkpoint, process_tree, theta_by_step
+from swarmlib import (FAST_ARGS, NodeProc, Swarm, checkpoint_step, free_port, kill_tree, load_checkpoint, process_tree,
+                      theta_by_step)
 
 pytestmark = [pytest.mark.swarm]
 
@@ -576,7 +577,8 @@ def test_restarted_first_node_rejoins_through_the_peers_it_saw(tmp_path):
         assert code == 0, a.output()[-3000:]
 
         t_restart = time.time()
-        swarm.start("a", *NO_START_BARRIER, timeout=START_S)  # no --initial-peers
+        # no --initial-peers; a new --port (with --port 0 it would listen on its last port again)
+        swarm.start("a", "--port", str(free_port()), *NO_START_BARRIER, timeout=START_S)
         assert "rejoined the swarm through it" in a.output(), a.output()[-3000:]
         rounds = swarm.wait_alive(lambda: [r for r in records_after(a, t_restart) if r["round_ok"]],
                                   2 * ROUND_S, "A averages with B again", (a, b))

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from diloco_swarm.dashboard.metrics import make_registry, render_metrics
 from diloco_swarm.dashboard.render import render_page, text
 from diloco_swarm.dashboard.state import HISTORY_FILE, SwarmState, summarize
 from diloco_swarm.dht.records import PeerEntry, PeerRecord, PeerRecordPublisher, record_validators
+from swarmlib import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts"
@@ -232,12 +232,6 @@ def test_status_cli_errors_are_one_line_exit_2():
 
 
 # ------------------------------------------------------------------------------------------ processes
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def stop_process(proc: subprocess.Popen | None, timeout: float = 15.0) -> None:
     """SIGTERM, then SIGKILL; then SIGKILL whatever is left of its session (DHT processes, p2pd)."""
     if proc is None:
