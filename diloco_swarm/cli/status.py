@@ -114,7 +114,6 @@ def open_reader(peers: list[str], run_id: str, light: bool) -> tuple[EntriesRead
         return (lambda: first.pop() if first else later()), (lambda: None)
     from diloco_swarm.dht.records import read_peer_entries
     from diloco_swarm.dht.swarm import SwarmError
-
     from diloco_swarm.node.redial import dial_peers
 
     try:
