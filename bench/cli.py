@@ -16,7 +16,7 @@ from bench import NAMES  # noqa: E402
 from bench.common import DEFAULT_DOC, DEFAULT_OUT, command_line, loadavg, provenance, save_result  # noqa: E402
 
 # forking benchmarks first: their peers are forked from this process before any torch thread pool exists
-RUN_ORDER = ("wire", "round", "netns", "overlap", "speeds", "codec", "quality")
+RUN_ORDER = ("wire", "round", "netns", "overlap", "speeds", "scale", "codec", "quality")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
             "throughput and error), round (averaging round time vs loopback TCP ceiling), quality (held-out loss "
             "at equal tokens: data-parallel vs DiLoCo fp32/int8 vs no averaging), netns (compute utilization "
             "behind a 100 Mbit/s link), overlap (tokens/s of 2 peers behind 20 Mbit/s links: overlapped vs blocking "
-            "rounds vs alone), speeds (3 peers, one 3x slower: inner steps per round, rounds joined, goodput). "
+            "rounds vs alone), speeds (3 peers, one 3x slower: inner steps per round, rounds joined, goodput), "
+            "scale (8 peers, whole-swarm rounds vs --target-group-size 4 and 2: rounds, θ_global lineages per outer "
+            "step, state-sync vs averaging bytes, held-out loss spread). "
             "'report' only regenerates the markdown from bench/out/."
         ),
     )

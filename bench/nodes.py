@@ -1,6 +1,7 @@
 """Real ``diloco-node join`` processes run to ``--max-outer-steps``, with their process trees' CPU time.
 
-Shared by ``bench/overlap.py`` (peers in network namespaces) and ``bench/speeds.py`` (127.0.0.1).
+Shared by ``bench/overlap.py`` (peers in network namespaces), ``bench/speeds.py`` and ``bench/scale.py``
+(127.0.0.1).
 A *group* is one run id: its first node starts alone, the others bootstrap from its address.
 While the nodes run, the CPU seconds (utime + stime, /proc/PID/stat) of every process of every
 node's tree are sampled about once a second, so a window defined by the nodes' own metrics
@@ -208,6 +209,28 @@ def window_figures(run: NodeRun, window: tuple[dict, dict] | None) -> dict[str, 
         "group_members": [sorted(e.get("group") or []) for e in steps
                           if a["outer_step"] < e["outer_step"] <= b["outer_step"]],
     })
+    return out
+
+
+def theta_by_step(records: list[dict[str, Any]]) -> dict[int, str]:
+    """outer step -> digest of the θ_global a node held at the end of that step, from its metrics records.
+
+    A round record gives it, unless the node re-synced during that round (a ``state_sync`` event
+    between the round's ``averaging_start`` and its record: the record's ``theta_digest`` is then
+    the θ before the re-sync, and ``synced_to`` stays null when the re-sync landed on the same
+    outer step); a ``state_sync`` event gives the adopted state's digest.
+    """
+    out: dict[int, str] = {}
+    synced_this_round = False
+    for e in records:
+        kind = e.get("event")
+        if kind in ("averaging_start", "start"):
+            synced_this_round = False
+        elif kind == "state_sync":
+            out[e["outer_step"]] = e["theta_digest"]
+            synced_this_round = True
+        elif kind == "outer_step" and e.get("synced_to") is None and not synced_this_round:
+            out[e["outer_step"]] = e["theta_digest"]
     return out
 
 

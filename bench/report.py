@@ -24,9 +24,11 @@ TITLES = {
     "netns": "5. Compute utilization on a 100 Mbit/s link (`netns`)",
     "overlap": "5a. Overlapped vs blocking rounds behind a 20 Mbit/s link (`overlap`)",
     "speeds": "5b. Mixed peer speeds: adaptive inner steps (`speeds`)",
+    "scale": "5c. Group sizes and θ_global lineages of a swarm (`scale`)",
 }
 MODULES = {"wire": "bench.wire", "codec": "bench.codec", "round": "bench.rounds", "quality": "bench.quality",
-           "netns": "bench.netns", "overlap": "bench.overlap", "speeds": "bench.speeds"}
+           "netns": "bench.netns", "overlap": "bench.overlap", "speeds": "bench.speeds",
+           "scale": "bench.scale"}
 
 INTRO = """# Benchmarks
 
@@ -36,7 +38,7 @@ between the `<!-- bench:... -->` markers. To rerun:
 ```
 .venv/bin/python -m bench all            # full size; writes bench/out/NAME.json, this file and docs/bench-*.png
 .venv/bin/python -m bench all --quick    # toy sizes, a few minutes; never replaces full-size sections
-.venv/bin/python -m bench quality        # one benchmark: wire | codec | round | quality | netns | overlap | speeds
+.venv/bin/python -m bench quality        # one benchmark: wire | codec | round | quality | netns | overlap | speeds | scale
 .venv/bin/python -m bench report         # only regenerate this file from bench/out/
 .venv/bin/python -m bench.churn          # section 6 and docs/benchmarks-churn.md: calm vs kill/restart, ~13 min
 .venv/bin/python -m bench.idle           # section 7: CPU of a lone peer waiting for a group, ~3 min

@@ -256,11 +256,6 @@ def run_swarm(spec: dict[str, Any], timeout: float = 1800.0) -> list[dict[str, A
     :returns: one record per (job, round, peer); see the module docstring for the fields.
     :raises RuntimeError: a peer failed or the swarm did not finish in ``timeout`` seconds.
     """
-    # bitsandbytes is imported in the parent, once, before forking: each peer would otherwise pay ~5-8 s
-    from diloco_swarm.averaging import codec
-
-    codec._bnb_functional()
-    codec._dynamic_code()
     ctx = mp.get_context("fork")
     n = spec["n_peers"]
     addr_q, res_q = ctx.Queue(), ctx.Queue()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from bench.nodes import theta_by_step as records_theta_by_step
 from bench.procs import process_tree
 from diloco_swarm.node.report import read_metrics
 
@@ -141,25 +142,9 @@ class Swarm:
 
 
 def theta_by_step(node: NodeProc) -> dict[int, str]:
-    """outer step -> digest of the θ_global this node held at the end of that step.
-
-    A round record gives it, unless the node re-synced during that round (a ``state_sync`` event
-    between the round's ``averaging_start`` and its record: the record's ``theta_digest`` is then
-    the θ before the re-sync, and ``synced_to`` stays null when the re-sync landed on the same
-    outer step); a ``state_sync`` event gives the adopted state's digest.
-    """
-    out: dict[int, str] = {}
-    synced_this_round = False
-    for e in node.events():
-        kind = e.get("event")
-        if kind in ("averaging_start", "start"):
-            synced_this_round = False
-        elif kind == "state_sync":
-            out[e["outer_step"]] = e["theta_digest"]
-            synced_this_round = True
-        elif kind == "outer_step" and e.get("synced_to") is None and not synced_this_round:
-            out[e["outer_step"]] = e["theta_digest"]
-    return out
+    """outer step -> digest of the θ_global this node held at the end of that step
+    (:func:`bench.nodes.theta_by_step` of its records)."""
+    return records_theta_by_step(node.events())
 
 
 def free_port() -> int:

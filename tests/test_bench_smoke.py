@@ -16,7 +16,7 @@ from bench.cli import main
 
 
 @pytest.mark.swarm
-@pytest.mark.timeout(900)  # every benchmark at toy size, several start real nodes (~4-8 min on 2 busy cores)
+@pytest.mark.timeout(1200)  # every benchmark at toy size, several start real nodes (~6-10 min on 2 busy cores)
 def test_every_benchmark_runs_at_toy_size(tmp_path):
     out, doc = tmp_path / "out", tmp_path / "docs" / "benchmarks.md"
     rc = main(["all", "--size", "smoke", "--out-dir", str(out), "--doc", str(doc)])
@@ -50,6 +50,7 @@ def test_every_benchmark_runs_at_toy_size(tmp_path):
         assert all(3 in p["group_sizes"] for p in run["peers"]), run  # the three peers met at least once
     assert [p["slow"] for p in speeds["variants"]["mixed"]["peers"]] == [False, False, True]
     assert "The slow peer joined" in text
+    _check_scale(json.loads((out / "scale.smoke.json").read_text()), text)
 
 
 @pytest.mark.timeout(60)
@@ -148,3 +149,53 @@ def test_eager_benchmark_runs_at_toy_size(tmp_path):
     result.update(elapsed_s=1.0, loadavg_end=None, provenance=provenance("python -m bench.eager"))
     text = section(result, tmp_path / "eager.smoke.json")
     assert "<!-- bench:eager size=smoke -->" in text and "| own |" in text and "| none |" in text
+
+
+def _check_scale(result: dict, text: str) -> None:
+    """What `bench scale` at toy size must show: each configuration ran every peer to the end, with
+    rounds, a lineage count at every outer step and a final loss per peer."""
+    from bench.scale import CONFIGS, SIZES
+
+    steps, peers = SIZES["smoke"]["outer_steps"], SIZES["smoke"]["peers"]
+    assert list(result["configs"]) == list(CONFIGS)
+    for label, c in result["configs"].items():
+        assert "error" not in c, (label, c["error"])
+        assert [p["exit_code"] for p in c["peers"]] == [0] * peers, (label, [p["log_tail"] for p in c["peers"]])
+        assert c["rounds"] >= 1 and sum(c["group_size_hist"].values()) == c["rounds"], (label, c)
+        # a lineage count at every outer step, among the peers that held a θ there
+        assert [s for s, _, _ in c["lineages"]] == list(range(1, steps + 1)), (label, c["lineages"])
+        assert all(1 <= n <= held <= peers for _, held, n in c["lineages"]), (label, c["lineages"])
+        assert all(loss is not None and loss > 0 for loss in c["final_eval_loss"]), (label, c["final_eval_loss"])
+        assert c["averaging_bytes_received"] > 0 and c["resync_share"] is not None
+    assert result["configs"]["default"]["loss_vs_default"] == 1.0
+    assert [v["config"] for v in result["verdicts"]] == ["default"] * 2 + ["group-4"] * 4 + ["group-2"] * 4
+    assert "<!-- bench:scale size=smoke -->" in text and "lineages per outer step" in text
+
+
+def test_scale_counts_lineages_syncs_and_rounds_from_records():
+    from bench.scale import analyse, split_windows
+
+    def step(s, digest, group, ok=True, loss=None):  # a round's hand-off, then its record
+        return [{"event": "averaging_start", "outer_step": s - 1},
+                {"event": "outer_step", "outer_step": s, "group": group, "group_size": len(group), "round_ok": ok,
+                 "theta_digest": digest, "synced_to": None, "bytes_received": 100, "bytes_sent": 100,
+                 "eval_loss": loss, "eval_outer_step": s if loss else 0}]
+
+    pair, trio = ["a", "b"], ["a", "b", "c"]
+    a = [{"event": "start", "peer_id": "a"}, *step(1, "aa" * 8, pair), *step(2, "ab" * 8, pair), *step(3, "ac" * 8, trio, loss=2.0)]
+    b = [{"event": "start", "peer_id": "b"}, *step(1, "aa" * 8, pair), *step(2, "ab" * 8, pair), *step(3, "ac" * 8, trio, loss=2.2)]
+    sync = {"event": "state_sync", "reason": "diverged", "outer_step": 2, "from_outer_step": 2, "bytes": 30,
+            "theta_digest": "ab" * 8}
+    # c: a solo round at step 1, then its failed round of step 2 re-synced it to the pair's θ
+    c = [{"event": "start", "peer_id": "c"}, *step(1, "bb" * 8, ["c"], ok=False), *step(2, "cc" * 8, ["c", "d"], ok=False),
+         *step(3, "ac" * 8, trio, loss=2.0)]
+    c.insert(c.index(step(2, "cc" * 8, ["c", "d"], ok=False)[1]), sync)
+    got = analyse([a, b, c])
+    assert got["lineages"] == [[1, 3, 2], [2, 3, 1], [3, 3, 1]] and got["longest_split"] == 1
+    assert got["split_windows"] == []  # steps 1-3: the verified rounds connect a, b and c (at step 3)
+    pair_only = [(1, ("a", "b")), (2, ("a", "b")), (3, ("a", "b")), (4, ("a", "b", "c"))]
+    assert split_windows(pair_only, ["a", "b", "c"]) == [[1, 2]]  # c alone for steps 1-3; 2-4 connect
+    assert got["rounds"] == 4 and got["rounds_ok"] == 3 and got["group_size_hist"] == {"2": 3, "3": 1}
+    assert got["solo_rounds"] == 1 and got["sync_bytes"]["diverged"] == 30 and got["sync_count"]["join"] == 0
+    assert got["resync_share"] == 30 / 900 and got["final_eval_loss"] == [2.0, 2.2, 2.0]
+    assert abs(got["loss_spread"] - 0.1) < 1e-12

@@ -19,7 +19,7 @@ import pytest
 NODE = [sys.executable, "-m", "diloco_swarm", "join"]
 SMALL = ["--max-dataset-bytes", "100000", "--threads", "1", "--seq-len", "32", "--batch-size", "2"]
 BOGUS_PEER = "/ip4/127.0.0.1/tcp/1/p2p/QmcaAm1dbxe3yDbWTLWVedDN8xTYf3NXS6TCfAyaMH5dcK"
-# fp32 on the wire spares each node the ~5 s bitsandbytes import; the codec is not under test here
+# fp32 on the wire: the codec is not under test here
 FAST = ["--compression", "fp32"]
 CORRUPT_BYTES = b"PK\x03\x04 this was a checkpoint until the disk hiccuped" * 20
 

@@ -90,7 +90,7 @@ def fail(message: str, code: int = USAGE_ERROR) -> "typer.Exit":
     return typer.Exit(code)
 
 
-NODE_MODULES = ("torch", "hivemind", "bitsandbytes")  # the [node] extra (pyproject.toml)
+NODE_MODULES = ("torch", "hivemind")  # the [node] extra (pyproject.toml)
 
 
 def node_missing() -> str | None:
@@ -301,7 +301,7 @@ def run_node(config) -> None:
 def leave_now(code: int) -> None:
     """End the process once the node has shut down, skipping interpreter finalization.
 
-    A round abandoned at stop leaves its daemon thread inside torch or bitsandbytes; finalizing the
+    A round abandoned at stop leaves its daemon thread inside torch; finalizing the
     interpreter under it aborts the process ("terminate called without an active exception", exit
     -6) after everything was saved. The node has already written its checkpoint and metrics and
     stopped its parts; a part that is somehow still alive is ended here, as multiprocessing's own

@@ -96,11 +96,6 @@ class Startup:
             # the state we hold: with another holder's record, evidence for a joiner (node/statesync.py)
             self.stats.theta_marks.append((self.outer_step, theta_digest(self.outer.theta)))
 
-        from diloco_swarm.averaging import codec
-
-        if spec.compression == "int8":
-            codec.encode(torch.zeros(1))  # import bitsandbytes (~5 s) now, not inside our first round
-
         from diloco_swarm.dht.records import PeerRecordPublisher, record_validators
 
         validators = record_validators(spec.run_id, cfg.state_dir)
