@@ -213,7 +213,9 @@ class StateSync:
             canonical = max(votes, key=lambda e: (e[0], e in evidence.vouched, votes[e], e[1]))
             if mine != canonical:
                 holders = [p for p, e in entries.items() if e == canonical]
-                return self._download_state(min_step=canonical[0] + 1, reason="diverged", candidates=holders,
+                # behind the canonical outer step: a late peer, not a lineage of its own
+                reason = "lagging" if canonical[0] > mine[0] else "diverged"
+                return self._download_state(min_step=canonical[0] + 1, reason=reason, candidates=holders,
                                             attempts=6)
         if newest > mine[0] + 1:  # the swarm is ahead of us (of our whole group, maybe)
             return self._download_state(min_step=newest, reason="lagging", candidates=evidence.donors_at(newest))
