@@ -16,9 +16,9 @@ smuggle in a hostile codebook. Every field of an incoming buffer is checked befo
 :func:`encode`) decodes to ``-128/127 · s``, still bounded by its block's scale.
 
 Version 1 mapped codes through bitsandbytes' dynamic code (``quantize_blockwise``); its CPU kernels
-ran at 0.22–0.26 GB per CPU second round trip on our machine, against about 0.6 here (numpy, one
-thread, no separate finiteness pass: a NaN or ±Inf makes its block's absmax non-finite), with a
-smaller error on Gaussian values (docs/benchmarks.md section 2, docs/architecture.md).
+were slower than these numpy passes, at a larger error on pseudo-gradients (docs/benchmarks.md
+section 2; why we changed, docs/architecture.md). Finiteness needs no pass of its own: a NaN or
+±Inf makes its block's absmax non-finite.
 
 Why not hivemind's own ``BlockwiseQuantization``: in hivemind 1.1.12 its ``extract`` raises
 ``TypeError`` under numpy 2 (``int()`` of a 1-element array). hivemind decodes by the wire
