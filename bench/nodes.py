@@ -212,6 +212,13 @@ def window_figures(run: NodeRun, window: tuple[dict, dict] | None) -> dict[str, 
     return out
 
 
+def round_key(record: dict[str, Any]) -> Any:
+    """What identifies the round of an ``outer_step`` record: hivemind's group id, or for records
+    without one (older runs) the outer step and the group's members. A late round keeps its outer
+    step, and members of mixed steps meet in one round, so the step alone does not tell rounds apart."""
+    return record.get("group_id") or (record["outer_step"], tuple(sorted(record.get("group") or [])))
+
+
 def theta_by_step(records: list[dict[str, Any]]) -> dict[int, str]:
     """outer step -> digest of the θ_global a node held at the end of that step, from its metrics records.
 

@@ -10,7 +10,7 @@ invocation, the same flags but ``--target-group-size``:
 
 Reported per configuration, from the nodes' metrics records (docs/metrics.md):
 
-- *rounds*: the distinct (outer step, group) pairs with ≥ 2 members in any peer's ``outer_step``
+- *rounds*: the distinct rounds (``nodes.round_key``: hivemind's group id) with ≥ 2 members in any peer's ``outer_step``
   records, how many of them were verified (``round_ok``), and a histogram of their group sizes;
   *solo rounds*: peer records with ``group_size`` 1;
 - *lineages at each outer step*: the distinct θ_global digests held at the end of that step by the
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import DEFAULT_OUT, human_bytes, human_count, loadavg, md_table
-from bench.nodes import NodeSpec, keep_logs, run_nodes, theta_by_step
+from bench.nodes import NodeSpec, keep_logs, round_key, run_nodes, theta_by_step
 from diloco_swarm.dht.lineages import lineage_summary
 
 # label -> --target-group-size (0: the node's default, the whole swarm)
@@ -126,9 +126,10 @@ def analyse(records_by_peer: list[list[dict[str, Any]]]) -> dict[str, Any]:
     for x in steps:
         for e in x:
             if (e.get("group_size") or 0) >= 2:
-                r = rounds.setdefault((e["outer_step"], tuple(sorted(e.get("group") or []))),
-                                      {"size": e["group_size"], "ok": True})
+                r = rounds.setdefault(round_key(e), {"size": e["group_size"], "ok": True, "step": 0,
+                                                     "group": tuple(sorted(e.get("group") or []))})
                 r["ok"] = r["ok"] and bool(e.get("round_ok"))
+                r["step"] = max(r["step"], e["outer_step"])
     peer_ids = [next((e["peer_id"] for e in recs if e.get("event") == "start" and e.get("peer_id")), f"#{i}")
                 for i, recs in enumerate(records_by_peer)]
     held = [theta_by_step(recs) for recs in records_by_peer]
@@ -156,7 +157,7 @@ def analyse(records_by_peer: list[list[dict[str, Any]]]) -> dict[str, Any]:
         "solo_rounds": sum(1 for x in steps for e in x if (e.get("group_size") or 0) < 2),
         "lineages": lineages,
         "longest_split": longest_split(lineages),
-        "split_windows": split_windows([k for k, r in rounds.items() if r["ok"]], peer_ids),
+        "split_windows": split_windows([(r["step"], r["group"]) for r in rounds.values() if r["ok"]], peer_ids),
         "sync_bytes": sync_bytes,
         "sync_count": sync_count,
         "resync_bytes": resync,
@@ -303,7 +304,7 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         f"seq_len {cfg['seq_len']}, batch {cfg['batch']}, int8, overlapped rounds, {cfg['outer_steps']} outer steps, "
         f"matchmaking {result['matchmaking_time']} s, `--wait-for-peers {cfg['peers']} --threads 1 --eval-budget 0` "
         f"(the held-out loss is always taken at the last outer step).\n",
-        "*Rounds*: distinct (outer step, group) pairs with ≥ 2 members in any peer's records; verified = every "
+        "*Rounds*: distinct rounds (by hivemind's group id) with ≥ 2 members in any peer's records; verified = every "
         "member's record says `round_ok`. *Lineages per outer step*: distinct θ_global digests held at the end of "
         "each outer step by the peers that reached it (a round's `theta_digest`, or the digest of a state adopted "
         "in that round), counted by `dht/lineages.py`. *Longest run*: of consecutive outer steps with 2+ "

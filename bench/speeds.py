@@ -9,7 +9,7 @@ rounds (the default sync mode):
 
 Reported per peer: inner steps per outer step (the ``inner_steps`` field of its records: DyLU-sized,
 extended while a round runs). For the slow peer: the share of the swarm's rounds it joined, from the
-``group`` field of every peer's records (a round = a distinct (outer step, group) with ≥ 2 members).
+``group`` field of every peer's records (a round = a distinct ``nodes.round_key``, hivemind's group id, with ≥ 2 members).
 Swarm goodput over a common window (from the moment every peer has applied 2 rounds to the
 moment the first peer applied its second-to-last one; each peer's cumulative figures interpolated
 between its records): Σ inner seconds whose Δ was applied (``inner_s − wasted_inner_s``) ÷ Σ wall
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import DEFAULT_OUT, loadavg, md_table
-from bench.nodes import NodeSpec, keep_logs, run_nodes
+from bench.nodes import NodeSpec, keep_logs, round_key, run_nodes
 
 SLOWDOWN = 3.0
 PEERS = 3
@@ -101,12 +101,12 @@ def analyse(runs, slow: int | None) -> dict[str, Any]:
     out["window_s"] = (t_b - t_a) if t_a is not None else None
     out["swarm_goodput"] = useful / (len(runs) * (t_b - t_a)) if t_a is not None else None
     out["swarm_tokens_per_s"] = tokens or None
-    # rounds: distinct (outer step, group) with ≥ 2 members in any peer's records inside the window
-    rounds = {(e["outer_step"], tuple(sorted(e.get("group") or []))) for x in recs for e in x
+    # rounds: distinct rounds (nodes.round_key) with ≥ 2 members in any peer's records inside the window
+    rounds = {round_key(e): e.get("group") or [] for x in recs for e in x
               if (e.get("group_size") or 0) >= 2 and (t_a is None or t_a <= e["time"] <= t_b)}
     out["rounds"] = len(rounds)
     if slow is not None and ids[slow]:
-        joined = sum(1 for _, g in rounds if ids[slow] in g)
+        joined = sum(1 for g in rounds.values() if ids[slow] in g)
         out["slow_joined"] = joined
         out["slow_share"] = joined / len(rounds) if rounds else None
     return out
@@ -176,7 +176,7 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         "peers, in a common window (from the moment every peer applied 2 rounds to the moment the first one applied "
         "its second-to-last; each peer's cumulative `inner_s`, `wasted_inner_s`, `tokens_total` interpolated "
         "between its records at both ends); a slowed step counts as inner time (the slow machine is busy). *Rounds joined*: of "
-        "the distinct (outer step, group) pairs with ≥ 2 members in any peer's records in the window, those whose "
+        "the distinct rounds (by hivemind's group id) with ≥ 2 members in any peer's records in the window, those whose "
         "`group` holds the slow peer.\n",
     ]
     rows = []

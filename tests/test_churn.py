@@ -339,7 +339,7 @@ def test_kill_matrix(tmp_path):
         for s in survivors:
             first = next((r for r in s.outer_steps() if r["time"] > t_stall and victim_id in r["group"]), None)
             if first is not None:
-                assert not first["round_ok"], first  # a partial round is a failed round (own Δ applied)
+                assert not first["round_ok"], first  # a partial round is a failed round (Δ carried)
         _restart_and_rejoin(swarm, v, a, survivors, "c: mid all-reduce")
         swarm.leave_all()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,17 +22,23 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @dataclass
-class Result:  # the fields of averaging.averager.RoundResult that the sync reads
+class Result:  # the fields of averaging.averager.RoundResult that the sync and the node read
     ok: bool
     group_size: int
     reason: str = ""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    maybe_kept: bool = False
 
 
 class FakeAverager:
     """Scripted rounds: ``events[i]`` is what round i does.
 
     - ``("ok", avg)``: a verified group average ``avg`` (list of tensors);
-    - ``"fail"``: the round fails; our own Δ comes back;
+    - ``"fail"``: the group's round fails (others are online: a late round); our own Δ comes back;
+    - ``"alone"``: no other peer is online; our own Δ comes back;
+    - ``"unconfirmed"``: we confirmed the average, a member stayed silent; our own Δ comes back;
     - ``"looking"``: no group until ``give_up`` (then a solo round);
     - ``"hang"``: never returns until ``stop``.
     """
@@ -50,6 +57,10 @@ class FakeAverager:
             return RoundOutcome(Result(True, 2), [a.clone() for a in event[1]])
         if event == "fail":
             return RoundOutcome(Result(False, 2, "partial round"), own)
+        if event == "unconfirmed":  # we confirmed; a member was silent and may have kept the round
+            return RoundOutcome(Result(False, 2, "members did not confirm", maybe_kept=True), own)
+        if event == "alone":
+            return RoundOutcome(Result(False, 1, "no other peer online"), own, alone=True)
         if event == "looking":
             assert control.give_up.wait(10), "the training thread never gave up the round"
             return RoundOutcome(Result(False, 1, "no group"), own)
@@ -105,8 +116,8 @@ def test_overlap_starts_the_next_phase_from_the_eager_estimate():
     assert all(torch.equal(a, b) for a, b in zip(outer.theta, theta_before))  # a dropped round changes nothing
 
 
-def test_a_failed_round_costs_nothing():
-    """Own Δ back (failed or solo round): θ_global lands on θ̂ exactly; the progress since stays."""
+def test_a_solo_round_costs_nothing():
+    """Own Δ applied (a solo round): θ_global lands on θ̂ exactly; the progress since stays."""
     params, outer, fake, sync = setup(["fail"])
     inner_phase(params)
     h = handoff(outer, params)
@@ -155,6 +166,122 @@ def test_overlap_with_solo_rounds_follows_blocking_exactly():
             _, outcome, est = sync.take(timeout=5)
             sync.apply(outcome.average, est)
         trajectories[overlap] = clone(outer.theta)
+    for a, b in zip(trajectories[True], trajectories[False]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_a_held_round_keeps_theta_global_and_carries_delta():
+    """A late round: θ_global stays; the next Δ is the held Δ plus the progress made since (overlap),
+    or the held Δ itself (blocking: nothing trained since)."""
+    for overlap in (True, False):
+        params, outer, fake, sync = setup(["fail"], overlap=overlap)
+        inner_phase(params)
+        h = handoff(outer, params)
+        theta_before = clone(outer.theta)
+        sync.hand_off(h)
+        estimate = clone(params)
+        if overlap:
+            inner_phase(params, seed=2)
+        progress = [p - e for p, e in zip(params, estimate)]
+        _, outcome, est = sync.take(timeout=5)
+        sync.hold(h.delta, est)
+        assert all(torch.equal(a, b) for a, b in zip(outer.theta, theta_before))
+        for d, held, prog in zip(outer.pseudo_gradient(params), h.delta, progress):
+            torch.testing.assert_close(d, held - prog, rtol=0, atol=1e-6)
+
+
+def test_an_adopted_state_keeps_local_progress_and_carries_delta_only_when_asked():
+    for carry in (False, True):
+        params, outer, fake, sync = setup(["fail"])
+        inner_phase(params)
+        h = handoff(outer, params)
+        sync.hand_off(h)
+        estimate = clone(params)
+        inner_phase(params, seed=2)
+        progress = [p - e for p, e in zip(params, estimate)]
+        _, _, est = sync.take(timeout=5)
+        theta = [t + 0.5 for t in outer.theta]
+        momentum = [torch.full_like(t, 0.25) for t in outer.theta]
+        sync.adopt(theta, momentum, h.delta, est, carry=carry)
+        assert all(torch.equal(a, b) for a, b in zip(outer.theta, theta))
+        assert all(torch.equal(a, b) for a, b in zip(outer.momentum_buffers(), momentum))
+        for p, t, prog, d in zip(params, theta, progress, h.delta):  # θ_local = θ_global + progress (− Δ)
+            torch.testing.assert_close(p - t, prog - d if carry else prog, rtol=0, atol=1e-6)
+
+
+def bare_node(events, overlap=True):
+    """A :class:`Node` with only what applying a round reads: θ_global, the sync, the counters
+    (no model, DHT or averager); its round records are (outer step, late, tokens) tuples."""
+    from diloco_swarm.node.runner import Node
+    from diloco_swarm.node.stats import NodeStats
+
+    params, outer, fake, sync = setup(events, overlap=overlap)
+    node = Node.__new__(Node)
+    node.params, node.outer, node.sync, node.stats = params, outer, sync, NodeStats()
+    node.cfg, node._state_lock = SimpleNamespace(debug_dump_rounds=None), threading.Lock()
+    node.outer_step, node._carried, node.records = 0, None, []
+    node._global_digest = lambda: f"step {node.outer_step}"
+    node._after_round = lambda h, result, step, during, late=False: node.records.append((step, late, h.tokens))
+    return node
+
+
+def one_outer_step(node, seed: int) -> None:
+    """An inner phase of 100 tokens, the hand-off, and the round applied after the next phase's training."""
+    inner_phase(node.params, seed=seed)
+    node.sync.hand_off(node._handoff(tokens=100, steps=3, inner_s=1.0, loss=1.0))
+    if node.sync.overlap:
+        inner_phase(node.params, seed=seed + 100)
+    node._apply_round(wait=True, timeout=5)
+
+
+def test_a_late_peer_keeps_its_lineage_and_folds_its_delta_into_the_next_round():
+    """Decoupled DiLoCo's late fragments (arXiv 2604.21428): a round that forms no verified group
+    while others are online leaves θ_global and the outer step alone, and the next round's Δ and
+    weight carry its work; nothing is wasted."""
+    node = bare_node(["fail", ("ok", [torch.zeros_like(p) for p in model().parameters()])])
+    theta0 = clone(node.outer.theta)
+    one_outer_step(node, seed=1)
+    assert node.outer_step == 0 and all(torch.equal(a, b) for a, b in zip(node.outer.theta, theta0))
+    assert node.records == [(0, True, 100)] and node.stats.late_rounds == 1 and node.stats.tokens_total == 0
+    assert node._carried.rounds == 1 and node._carried.tokens == 100 and node._carried.inner_s == 1.0
+    one_outer_step(node, seed=2)
+    assert node.outer_step == 1 and node.records[-1] == (1, False, 200)  # weighted by both phases' tokens
+    assert node.stats.tokens_total == 200 and node._carried is None and node.stats.wasted_inner_s == 0
+
+
+def test_late_rounds_are_bounded_then_applied_alone():
+    node = bare_node(["fail"] * 4)
+    for t in range(4):
+        one_outer_step(node, seed=t)
+    assert [(step, late) for step, late, _ in node.records] == [(0, True), (0, True), (1, False), (1, True)]
+    assert node.records[2][2] == 300 and node.stats.tokens_total == 300 and node._carried.tokens == 100
+
+
+def test_a_peer_alone_steps_at_once():
+    node = bare_node(["alone"])
+    one_outer_step(node, seed=1)
+    assert node.outer_step == 1 and node.records == [(1, False, 100)] and node._carried is None
+
+
+def test_a_round_another_member_may_have_kept_is_never_carried():
+    """Carrying a Δ that a member's kept average already holds would apply it twice: apply it alone
+    (the next round's canonical-state rule re-syncs us)."""
+    node = bare_node(["unconfirmed"])
+    one_outer_step(node, seed=1)
+    assert node.outer_step == 1 and node.records == [(1, False, 100)] and node._carried is None
+
+
+def test_overlap_with_late_rounds_follows_blocking_exactly():
+    """Held rounds then an own-Δ step: overlapped and blocking DiLoCo land on the same θ_global."""
+    trajectories = {}
+    for overlap in (True, False):
+        node = bare_node(["fail"] * 3 + ["alone"], overlap=overlap)
+        for t in range(4):
+            inner_phase(node.params, seed=t)
+            node.sync.hand_off(node._handoff(tokens=100, steps=3, inner_s=1.0, loss=1.0))
+            node._apply_round(wait=True, timeout=5)
+        assert node.outer_step == 2
+        trajectories[overlap] = clone(node.outer.theta)
     for a, b in zip(trajectories[True], trajectories[False]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 

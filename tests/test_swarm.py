@@ -47,9 +47,9 @@ def test_three_peers_train_average_and_agree(tmp_path):
             assert node.events("stop")[-1]["graceful"] is True
 
         # Peers that averaged in the same round hold bit-identical θ_global (canonical int8 round).
-        # After a failed round each applied its own Δ, so the next round's members started from
-        # different θ: they re-sync to the canonical one in that round (theta_by_step: the θ held
-        # at the end of each step, re-syncs included).
+        # After a failed round each member keeps its θ_global and carries its Δ (a late round); members
+        # that still start a round from different θ re-sync to the canonical one in that round
+        # (theta_by_step: the θ held at the end of each step, re-syncs included).
         # A peer late for a round (the majority averaged without it) joins the next one with its Δ and
         # then re-syncs onto the newer step: it never held a θ_global of the round's own step.
         digests = {}
@@ -79,7 +79,7 @@ def test_three_peers_train_average_and_agree(tmp_path):
         assert doc["summary"]["lineages"] == len({m[step] for m in published.values() if step in m}) >= 1
 
         # Final checkpoints agree within the int8 tolerance, when the last round was verified on every
-        # node (after a failed one each applied its own Δ and nothing re-syncs once they stop).
+        # node (after a failed one each carried or applied its own Δ, and nothing re-syncs once they stop).
         last = [n.outer_steps()[-1] for n in nodes]
         if all(r["round_ok"] for r in last) and len({r["outer_step"] for r in last}) == 1:
             thetas = [load_theta(n) for n in nodes]

@@ -4,8 +4,9 @@ One call of :meth:`PseudoGradientAverager.average` is one DiLoCo sync (arXiv 231
 Algorithm 1, the "outer gradient" all-reduce): copy the local pseudo-gradient Δ in, find a
 group through hivemind's matchmaking inside the window, run the butterfly all-reduce with the
 int8 codec, weight peers by the tokens they processed since their last sync, and verify the
-result before handing it back. Any doubt makes the round a failed round: the caller then
-applies its own Δ (a solo round), never a partial or unverified average.
+result before handing it back. Any doubt makes the round a failed round: the caller then keeps
+its θ_global and carries its Δ into the next round, or applies its own Δ (node/runner.py), never
+a partial or unverified average.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class RoundResult:
     ``ok`` is true only when a group of at least two formed, every part of every member
     arrived and passed the checks, the average is finite and within the norm bound, and
     **every** member published the same digest of the average in time (a member that saw a
-    partial round publishes "failed" instead). When ``ok`` is false the caller applies its own Δ.
+    partial round publishes "failed" instead). When ``ok`` is false the caller gets its own Δ back.
     """
 
     ok: bool
@@ -111,6 +112,9 @@ class RoundResult:
     rejected_peers: dict[str, str] = field(default_factory=dict)
     digest: str = ""
     agreed_peers: int = 0  # members (besides us) whose published digest matched ours
+    # we published our digest and no member contradicted it, but not all confirmed in time: a member
+    # that heard every confirmation may have kept the round (and our Δ in it)
+    maybe_kept: bool = False
 
 
 def _tensor_from_parts(parts: list) -> torch.Tensor:
@@ -539,7 +543,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         result.seconds = time.perf_counter() - started
         if problem is not None:
             result.reason = problem
-            logger.warning(f"Averaging round failed ({problem}); applying the local pseudo-gradient")
+            logger.warning(f"Averaging round failed ({problem}); the average is not used")
             return result, local
         result.ok = True
         return result, averaged
@@ -611,6 +615,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         round at once (returns "stopping")."""
         others = set(stats.group_peer_ids) - {self.peer_id.to_base58()}
         self._publish_outcome(stats, result.digest)
+        result.maybe_kept = True  # every way out but a contradiction leaves open that a member kept the round
         started = time.monotonic()
         deadline = started + digest_wait
         asking = self._ask_members(stats, others, digest_wait)
@@ -622,8 +627,11 @@ class PseudoGradientAverager(DecentralizedAverager):
                 asking = None
             problem = _judge(outcomes, others, result.digest)
             result.agreed_peers = sum(1 for p in others if outcomes.get(p) == result.digest)
-            if problem is not None or result.agreed_peers == len(others):
+            if problem is not None:
+                result.maybe_kept = False  # a member said "failed" or another digest: nobody can keep it
                 return problem
+            if result.agreed_peers == len(others):
+                return None
             if stop is not None and stop.is_set():
                 return "stopping"
             now = time.monotonic()

@@ -6,16 +6,23 @@ next inner phase, as eager updates do (Kale et al., arXiv 2502.12996, "1-outer-s
 
     end of phase t:   Δ_t = θ_global^t − θ_local             (hand-off, round t starts in the background)
                       θ_local ← θ̂ = OuterStep(θ_global^t, Δ_t)  (eager: our own Δ stands in for the average)
-    during phase t+1: round t ends with the verified average Δ̄_t (or our own Δ_t: a solo or failed round)
+    during phase t+1: round t ends with the verified average Δ̄_t (or our own Δ_t: a solo round)
                       θ_global^{t+1} = OuterStep(θ_global^t, Δ̄_t)
                       θ_local ← θ_local + (θ_global^{t+1} − θ̂)     (keeps the progress made since the hand-off)
     end of phase t+1: Δ_{t+1} = θ_global^{t+1} − θ_local
 
-θ_global only ever moves by verified averages (or our own Δ when there is none), so every member of
-a round still holds bit-identical θ_global; only θ_local runs one round "eagerly" ahead. A solo or
-failed round costs nothing: θ_global^{t+1} equals θ̂ bit for bit (:meth:`OuterOptimizer.preview`), so
+θ_global only ever moves by verified averages (or our own Δ when nobody else is online), so every
+member of a round still holds bit-identical θ_global; only θ_local runs one round "eagerly" ahead. A
+solo round costs nothing: θ_global^{t+1} equals θ̂ bit for bit (:meth:`OuterOptimizer.preview`), so
 the correction is zero. The checkpoint holds (θ_global, momentum, outer step) of the last applied
 round, never an eager estimate, so a crash at any moment resumes from a state an outer step produced.
+
+A **late** round (others are online, but this peer's round formed no verified group) is held, not
+applied alone (:meth:`OuterSync.hold`): θ_global and the momentum stay at outer step t, θ_local undoes
+the eager jump and keeps Δ_t, so the next hand-off carries it (Δ = Δ_t + the next phase's progress,
+weighted by both phases' tokens), as Decoupled DiLoCo folds late fragments into the next round
+(arXiv 2604.21428). A solo outer step would start a lineage of its own that only a full-state
+download can heal. An adopted state (:meth:`OuterSync.adopt`) keeps θ_local's progress the same way.
 
 :class:`OuterSync` owns the round in flight and the correction arithmetic; the caller (node/runner.py)
 owns the outer-step counter, the lock around θ_global, and what happens after a round.
@@ -46,13 +53,34 @@ class Handoff:
     """
 
     delta: list[torch.Tensor]
-    tokens: int  # tokens trained in the phase (the round's averaging weight)
+    tokens: int  # tokens behind Δ, carried rounds' included (the round's averaging weight)
     inner_steps: int  # inner steps of the phase (adaptive, DyLU)
     inner_s: float  # wall seconds of the phase's inner steps
     loss: float | None  # mean training loss of the phase
     outer_step: int  # θ_global's outer step at the hand-off
     theta_digest: str  # digest of θ_global at the hand-off
     started: float = 0.0  # time.monotonic() of the hand-off
+    carried: "Carried | None" = None  # late rounds whose Δ this one carries
+
+    @property
+    def work_s(self) -> float:
+        """Inner seconds behind Δ: this phase's and those of the late rounds it carries."""
+        return self.inner_s + (self.carried.inner_s if self.carried else 0.0)
+
+
+@dataclass
+class Carried:
+    """The work of late rounds that the next hand-off's Δ carries (see :meth:`OuterSync.hold`)."""
+
+    rounds: int = 0  # consecutive late rounds
+    tokens: int = 0
+    inner_s: float = 0.0  # wall seconds of their inner steps
+
+    @classmethod
+    def of(cls, handoff: Handoff) -> "Carried":
+        """What carrying ``handoff``'s Δ into the next round adds up to."""
+        before = handoff.carried or cls()
+        return cls(rounds=before.rounds + 1, tokens=handoff.tokens, inner_s=handoff.work_s)
 
 
 @dataclass
@@ -73,12 +101,15 @@ class RoundOutcome:
 
     ``average``: the Δ to apply (the verified group average, or our own Δ). ``state``: instead of
     applying ``average``, adopt this downloaded state (θ_global + momentum of a canonical peer);
-    its shape is the caller's business.
+    its shape is the caller's business. ``alone``: nobody to average with (no other peer online, or
+    only clients, which cannot reach each other): a solo outer step is then right; otherwise an
+    unverified round is late, see :meth:`OuterSync.hold`.
     """
 
     result: Any  # averaging.averager.RoundResult
     average: list[torch.Tensor]
     state: Any = None
+    alone: bool = False
 
 
 @dataclass
@@ -139,8 +170,8 @@ class OuterSync:
         return self._pending is not None and time.monotonic() - self._pending.handoff.started > seconds
 
     def pending_inner_s(self) -> float:
-        """Inner-phase seconds whose Δ is in the round in flight (0 when none)."""
-        return self._pending.handoff.inner_s if self._pending is not None else 0.0
+        """Inner seconds whose Δ is in the round in flight, carried rounds' included (0 when none)."""
+        return self._pending.handoff.work_s if self._pending is not None else 0.0
 
     def give_up_matchmaking(self) -> None:
         if self._pending is not None:
@@ -168,11 +199,44 @@ class OuterSync:
         :raises ValueError: ``average`` does not fit θ_global (nothing changes).
         """
         self.outer.step(average)
+        self._move_local(estimate)
+
+    @torch.no_grad()
+    def hold(self, delta: Sequence[torch.Tensor], estimate: list[torch.Tensor] | None) -> None:
+        """A late round: θ_global and the outer momentum stay; θ_local keeps ``delta`` (the hand-off's Δ,
+        fp32, parameter shapes) and the progress since, so the next hand-off's Δ carries it.
+
+        Overlap: θ_local += θ_global − Δ − θ̂ (the eager jump undone). Blocking: θ_local is unchanged.
+        """
+        self._move_local(self._carry_reference(delta, estimate))
+
+    @torch.no_grad()
+    def adopt(self, theta: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], delta: Sequence[torch.Tensor],
+              estimate: list[torch.Tensor] | None, *, carry: bool) -> None:
+        """θ_global, outer momentum ← a downloaded state (fp32, parameter shapes); θ_local keeps its
+        progress since the hand-off, and ``delta`` too when ``carry`` (the round's average that built
+        the state did not include it).
+        :raises ValueError: the state's count or shapes differ from θ_global (nothing changes)."""
+        reference = self._carry_reference(delta, estimate) if carry else estimate
+        self.outer.load_theta_and_momentum(theta, momentum)
+        self._move_local(reference)
+
+    def _carry_reference(self, delta: Sequence[torch.Tensor], estimate: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Where θ_local would stand had it kept Δ, measured against θ_global now: θ̂ + Δ (overlap),
+        θ_global (blocking, where θ_local = θ_global − Δ still)."""
         if estimate is None:
+            return [t.clone() for t in self.outer.theta]
+        return [e + d.to(torch.float32) for e, d in zip(estimate, delta)]
+
+    @torch.no_grad()
+    def _move_local(self, reference: list[torch.Tensor] | None) -> None:
+        """θ_local += θ_global − ``reference`` (the progress beyond the reference is kept);
+        θ_local ← θ_global when ``reference`` is None."""
+        if reference is None:
             self.outer.copy_to(self.params)
             return
-        for p, new, est in zip(self.params, self.outer.theta, estimate):
-            p.add_((new - est).to(device=p.device, dtype=p.dtype))
+        for p, new, ref in zip(self.params, self.outer.theta, reference):
+            p.add_((new - ref).to(device=p.device, dtype=p.dtype))
 
     def abandon(self, timeout: float) -> None:
         """Leave the round in flight (graceful stop): signal it and wait at most ``timeout`` s.

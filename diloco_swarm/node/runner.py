@@ -6,6 +6,7 @@
                   θ_local ← OuterStep(θ_global, Δ_t)   (overlap: our Δ stands in for the average)
         ... the next inner phase runs while the group averages Δ_t (int8, verified) ...
         apply:    θ_global ← OuterStep(θ_global, Δ̄_t); θ_local moves along (node/outer_sync.py)
+                  (late: no verified group while others are online: θ_global stays, Δ_t is carried)
                   checkpoint (its own thread), evaluation, metrics, peer record (housekeeping thread)
 
 ``--sync-mode blocking`` waits for each round instead. Start-up lives in node/startup.py, state
@@ -30,7 +31,7 @@ from diloco_swarm.data import evaluate
 from diloco_swarm.node.checkpoint import save_checkpoint
 from diloco_swarm.node.config import NodeConfig
 from diloco_swarm.node.errors import Diverged, NodeError  # noqa: F401  (re-exported: cli maps NodeError to exit 2)
-from diloco_swarm.node.outer_sync import Handoff, OuterSync, RoundControl, RoundOutcome
+from diloco_swarm.node.outer_sync import Carried, Handoff, OuterSync, RoundControl, RoundOutcome
 from diloco_swarm.node.report import MetricsWriter, StatusLine
 from diloco_swarm.averaging.allreduce import finite_norm
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
@@ -48,6 +49,7 @@ MAX_PHASE_BATCHES = 1 << 40  # a phase extended while a round runs draws batches
 ROUND_GIVE_UP_S = 15.0  # a round given up gets this long to end
 ALIGN_SLACK_S = 1.0  # a round waits this long past the last expected member's hand-off
 SWARM_REFRESH_S = 5.0  # a phase planned before we knew our speed re-reads the swarm's records this often
+MAX_CARRIED_ROUNDS = 2  # a peer late this many rounds in a row applies its carried Δ alone (bounded staleness)
 
 
 class StopFlag:
@@ -117,6 +119,8 @@ class Node(Startup, StateSync):
         self.swarm_phase_eta: float | None = None  # the other online peers' median phase_eta (unix time)
         self._digest_cache: tuple[tuple[int, int], str] | None = None  # ((outer step, state syncs), digest)
         self._last_eval_s = 0.0  # seconds the last held-out evaluation took (prices the next one)
+        self._carried: Carried | None = None  # late rounds whose Δ θ_local still holds (outer_sync.hold)
+        self._last_phase_index = -1  # data and LR warm-up index of the last phase (a late round repeats no data)
 
     def run(self) -> None:
         """Set up, train until ``max_outer_steps`` or a stop signal, then leave cleanly.
@@ -254,7 +258,8 @@ class Node(Startup, StateSync):
         measured = bool(self.stats.inner_step_s)  # False in our first phase: planned H, re-planned once timed
         # data and LR warm-up follow the swarm's progress (outer step × H): a joiner synced to step t
         # must not take tiny steps, or its own Δ-based norm bounds would reject every honest part
-        phase_index = self.outer_step + int(self.sync.in_flight)
+        phase_index = max(self.outer_step + int(self.sync.in_flight), self._last_phase_index + 1)
+        self._last_phase_index = phase_index
         # when we expect to hand this phase off: a round's leader waits for peers about to arrive
         # (the record publisher sends it within its 5 s period: no extra DHT store per phase)
         self.stats.phase_eta = time.time() + target * self.stats.inner_step_s if self.stats.inner_step_s else 0.0
@@ -278,12 +283,11 @@ class Node(Startup, StateSync):
                 syncs = self.stats.state_syncs
                 self._apply_round(during_inner_step=steps)
                 if self.stats.state_syncs != syncs:
-                    # θ_local restarted from an adopted state: its Δ starts over, and the phase now ends
-                    # when the swarm's does (a full new phase would make us late for every round after)
+                    # θ_local moved onto an adopted state with its progress: the phase now ends when the
+                    # swarm's does (a full phase more would make us late for every round after)
                     ahead = self._steps_to_swarm_handoff(self.stats.inner_step_s)
-                    target = self._within_dylu_range(ahead if ahead is not None else target - steps)
-                    self.stats.wasted_inner_s += self.stats.inner_s - inner_before
-                    steps, tokens, losses, inner_before = 0, 0, [], self.stats.inner_s
+                    if ahead is not None:
+                        target = self._within_dylu_range(steps + ahead)
             now = time.monotonic()
             if not measured and now - t_last >= 1.0 and losses:
                 target = self._replan_first_phase(steps, self.stats.inner_s - inner_before)
@@ -305,6 +309,11 @@ class Node(Startup, StateSync):
         self.stats.tokens_per_s = tokens / max(inner_s, 1e-9)
         self._status(inner_step=steps, phase_steps=target, loss=sum(losses[-20:]) / len(losses[-20:]),
                      tokens_per_s=self.stats.tokens_per_s)
+        return self._handoff(tokens=tokens, steps=steps, inner_s=inner_s, loss=sum(losses) / len(losses))
+
+    def _handoff(self, *, tokens: int, steps: int, inner_s: float, loss: float) -> Handoff:
+        """Δ = θ_global − θ_local of the phase that just ended, with the late rounds it carries.
+        :raises Diverged: the pseudo-gradient is not finite."""
         delta = self.outer.pseudo_gradient(self.params)
         if finite_norm(delta) is None:
             raise Diverged(
@@ -312,9 +321,10 @@ class Node(Startup, StateSync):
                 f"values; the last good checkpoint is kept. If it happens again after a restart, the run's "
                 f"--inner-lr is too high for this model: start a new run (another --run-id) with a lower one"
             )
-        return Handoff(delta=delta, tokens=tokens, inner_steps=steps, inner_s=inner_s,
-                       loss=sum(losses) / len(losses), outer_step=self.outer_step,
-                       theta_digest=self._global_digest(), started=time.monotonic())
+        carried, self._carried = self._carried, None  # Δ already holds it: θ_local kept the late rounds' work
+        return Handoff(delta=delta, tokens=tokens + (carried.tokens if carried else 0), inner_steps=steps,
+                       inner_s=inner_s, loss=loss, outer_step=self.outer_step,
+                       theta_digest=self._global_digest(), started=time.monotonic(), carried=carried)
 
     def _inner_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One AdamW step on one batch ([B, T] int64 inputs and targets); returns its loss (nats/token)."""
@@ -352,16 +362,20 @@ class Node(Startup, StateSync):
         from diloco_swarm.averaging.averager import RoundResult
 
         try:
-            result, average = self._average(handoff, control)
-            state = None
-            if result.gathered and not control.stop.is_set():
-                state = self._reconcile(result.gathered, (handoff.outer_step, handoff.theta_digest))
-            return RoundOutcome(result, average, state)
-        except Exception as e:  # never lose the training thread to a round: it becomes a solo round
+            result, average, alone = self._average(handoff, control)
+        except Exception as e:  # never lose the training thread to a round: it becomes a late round
             return RoundOutcome(RoundResult(ok=False, group_size=1, reason=f"round failed: {e!r}"[:200]),
                                 [d.clone() for d in handoff.delta])
+        state = None
+        if result.gathered and not control.stop.is_set():
+            try:
+                state = self._reconcile(result.gathered, (handoff.outer_step, handoff.theta_digest), applied=result.ok)
+            except Exception as e:  # the DHT or averager did not answer: the round stands, the next one reconciles
+                self.status.log(f"could not compare θ_global with the group after the round: {e}")
+        return RoundOutcome(result, average, state, alone=alone)
 
     def _average(self, handoff: Handoff, control: RoundControl):
+        """:returns: (the round's result, the Δ to apply, whether no other peer was online)."""
         from diloco_swarm.averaging.averager import RoundResult
 
         own = [d.detach().to("cpu", torch.float32).clone() for d in handoff.delta]
@@ -373,17 +387,17 @@ class Node(Startup, StateSync):
                 self.status.log("warning: no public peer in the swarm, only clients (which cannot reach each "
                                 "other); training solo until a public peer joins. A peer that can accept "
                                 "connections (port forwarded, or a server) lets the swarm average again")
-            return RoundResult(ok=False, group_size=1, reason="no public peer: every peer is a client"), own
+            return RoundResult(ok=False, group_size=1, reason="no public peer: every peer is a client"), own, True
         records = self._read_records()
         self._note_swarm(records)  # fresh for the phase that follows this round (a re-sync aims at the swarm's hand-off)
         others = bool(self.averager.donors()) or any(p != self.peer_id for p in records)
         if self.sync.overlap and not others:
-            return RoundResult(ok=False, group_size=1, reason="no other peer online"), own
-        return self.averager.average(self._contribution(handoff.delta), weight=max(handoff.tokens, 1),
-                                     metadata=self._round_metadata(handoff), timeout=self.cfg.averaging_window, stop=control.stop,
-                                     give_up=control.give_up, digest_wait=DIGEST_WAIT_S,
-                                     scheduled_time=self._aligned_start(handoff, records),
-                                     online_peers=len(set(records) | {self.peer_id}))
+            return RoundResult(ok=False, group_size=1, reason="no other peer online"), own, True
+        result, average = self.averager.average(
+            self._contribution(handoff.delta), weight=max(handoff.tokens, 1), metadata=self._round_metadata(handoff),
+            timeout=self.cfg.averaging_window, stop=control.stop, give_up=control.give_up, digest_wait=DIGEST_WAIT_S,
+            scheduled_time=self._aligned_start(handoff, records), online_peers=len(set(records) | {self.peer_id}))
+        return result, average, not others
 
     def _read_records(self) -> dict[str, Any]:
         """The run's signed peer records, read once per round (dht/records.py).
@@ -466,22 +480,40 @@ class Node(Startup, StateSync):
         handoff, outcome, estimate = self.sync.take(timeout=timeout if wait else 0)
         self.stats.averaging_s += time.monotonic() - t0  # time the training thread waited for the round
         result = outcome.result
-        if self.cfg.debug_dump_rounds is not None:
-            self._dump_round(handoff, outcome.average, result)
         self.stats.count_round(result)
         round_step = handoff.outer_step + 1
+        # Our Δ is in the swarm's θ_global if a verified average that the swarm kept included it. It may
+        # be when a member kept the round while we missed a confirmation (maybe_kept): carrying it then
+        # could apply it twice, so we apply it alone as before and the next round re-syncs us.
+        kept = result.ok and (outcome.state is None or outcome.state.includes_round)
+        carry = (not kept and not result.maybe_kept and not outcome.alone
+                 and (handoff.carried.rounds if handoff.carried else 0) < MAX_CARRIED_ROUNDS)
+        held = False
         if outcome.state is not None:  # the members started from different θ_global: adopt the canonical one
-            self._adopt_state(outcome.state)
-            self.stats.wasted_inner_s += handoff.inner_s  # our Δ was replaced by the swarm's state
-        else:
-            with self._state_lock:
+            self._adopt_state(outcome.state, handoff=handoff, estimate=estimate, carry=carry)
+            if not kept and not carry:
+                self.stats.wasted_inner_s += handoff.work_s  # replaced by a state that may not include it
+        elif kept or not carry:
+            with self._state_lock:  # a verified average, or our own Δ (alone, unconfirmed, or late too long)
                 self.sync.apply(outcome.average, estimate)
                 self.outer_step += 1
             self.stats.theta_marks.append((self.outer_step, self._global_digest()))
-        self.stats.tokens_total += handoff.tokens
-        self._after_round(handoff, result, round_step, during_inner_step)
+        else:  # late: others are online but we are in no verified round; a solo step would start a lineage
+            held = True
+            with self._state_lock:
+                self.sync.hold(handoff.delta, estimate)
+            round_step = self.outer_step
+        if self.cfg.debug_dump_rounds is not None:
+            self._dump_round(handoff, [] if held else outcome.average, result, held)
+        if carry:
+            self._carried = Carried.of(handoff)
+            self.stats.late_rounds += 1
+        else:
+            self.stats.tokens_total += handoff.tokens
+        self._after_round(handoff, result, round_step, during_inner_step, late=carry)
 
-    def _after_round(self, handoff: Handoff, result, round_step: int, during_inner_step: int | None) -> None:
+    def _after_round(self, handoff: Handoff, result, round_step: int, during_inner_step: int | None,
+                     late: bool = False) -> None:
         """Checkpoint (written on the housekeeping thread), evaluation within its time budget, the
         metrics record and the status line; DHT upkeep on the housekeeping thread."""
         self._save_checkpoint_in_background()
@@ -489,7 +521,7 @@ class Node(Startup, StateSync):
             self.averager.state_sharing_priority = self._donor_priority()
         self._evaluate(force=0 < self.cfg.max_outer_steps <= self.outer_step)
         self.metrics.write({**self._round_record(handoff, result, round_step),
-                            "applied_at_inner_step": during_inner_step})
+                            "applied_at_inner_step": during_inner_step, "late": late})
         self._housekeeping.submit(self._dht_upkeep)
         self._status(force=True)
         for peer, why in result.rejected_peers.items():
@@ -505,6 +537,7 @@ class Node(Startup, StateSync):
             "sync_mode": self.spec.sync_mode,
             "group_size": result.group_size,
             "group": result.group_peer_ids,
+            "group_id": result.group_id,
             "loss": handoff.loss,
             "eval_loss": self.stats.eval_loss,
             "eval_outer_step": self.stats.eval_outer_step,
@@ -609,14 +642,16 @@ class Node(Startup, StateSync):
         self.status.update(self.stats.status(outer_step=self.outer_step, inner_steps=self.spec.inner_steps,
                                              reachability=self.reachability), force=force)
 
-    def _dump_round(self, handoff: Handoff, applied, result) -> None:
-        """Test-only (hidden ``--debug-dump-rounds``): what we contributed and what we applied."""
+    def _dump_round(self, handoff: Handoff, applied, result, late: bool) -> None:
+        """Test-only (hidden ``--debug-dump-rounds``): what we contributed and what we applied
+        (nothing in a late round: its Δ is carried)."""
         local, tokens = handoff.delta, handoff.tokens
         self.cfg.debug_dump_rounds.mkdir(parents=True, exist_ok=True)
         torch.save({"outer_step": handoff.outer_step, "peer_id": self.peer_id, "ok": result.ok, "weight": tokens,
                     "group": result.group_peer_ids, "group_id": result.group_id, "reason": result.reason,
-                    "local": [d.detach().cpu().clone() for d in local], "applied": [a.detach().cpu().clone() for a in applied]},
-                   self.cfg.debug_dump_rounds / f"{handoff.outer_step}-{self.peer_id}-{result.group_id[:12] or 'solo'}.pt")
+                    "late": late, "carried_rounds": handoff.carried.rounds if handoff.carried else 0, "local": [d.detach().cpu().clone() for d in local], "applied": [a.detach().cpu().clone() for a in applied]},
+                   self.cfg.debug_dump_rounds / f"{handoff.outer_step}-{self.peer_id}-"
+                                                f"{result.group_id[:12] or 'solo'}-{int(time.time() * 1000)}.pt")
 
     def _autocast(self):
         if self.device.type == "cuda":
@@ -625,7 +660,7 @@ class Node(Startup, StateSync):
 
     def _leave(self) -> None:
         """Graceful leave: drop the round in flight, finish the checkpoint write, say goodbye."""
-        pending_inner_s = self.sync.pending_inner_s()
+        pending_inner_s = self.sync.pending_inner_s() + (self._carried.inner_s if self._carried else 0.0)
         self.sync.abandon(timeout=5.0)
         self.stats.wasted_inner_s += pending_inner_s
         self._housekeeping.close()

@@ -74,6 +74,7 @@ class DownloadedState:
     received: int  # bytes
     seconds: float
     reason: str  # join | diverged | lagging
+    includes_round: bool = False  # a member's state after the round just averaged (our Δ is in it when that was ok)
 
 
 def gather_evidence(entries, me: str, my_step: int = 0, my_marks=()) -> Evidence:
@@ -183,12 +184,15 @@ class StateSync:
 
 
 
-    def _reconcile(self, gathered: dict[str, Any], mine: tuple[int, str]) -> "DownloadedState | None":
+    def _reconcile(self, gathered: dict[str, Any], mine: tuple[int, str], applied: bool = True) -> "DownloadedState | None":
         """After a round: if the group's members started it from different θ_global, the
         members not holding the canonical one (among the states the swarm's records back and a
         member can donate: newest outer step, then vouched, then most members, then digest order)
         download it from one that does; and a peer more than one outer step behind the supported
         step downloads too (lagging peer). See :class:`Evidence`.
+
+        ``applied``: the round was verified, so the canonical members move on one outer step
+        (a failed round is late for every member: they keep their θ_global).
         :returns: the state to adopt instead of applying the round, or None."""
         entries: dict[str, tuple[int, str]] = {}
         for peer, meta in gathered.items():
@@ -215,8 +219,11 @@ class StateSync:
                 holders = [p for p, e in entries.items() if e == canonical]
                 # behind the canonical outer step: a late peer, not a lineage of its own
                 reason = "lagging" if canonical[0] > mine[0] else "diverged"
-                return self._download_state(min_step=canonical[0] + 1, reason=reason, candidates=holders,
-                                            attempts=6)
+                state = self._download_state(min_step=canonical[0] + int(applied), reason=reason,
+                                             candidates=holders, attempts=6)
+                if state is not None:
+                    state.includes_round = True
+                return state
         if newest > mine[0] + 1:  # the swarm is ahead of us (of our whole group, maybe)
             return self._download_state(min_step=newest, reason="lagging", candidates=evidence.donors_at(newest))
         return None
@@ -278,13 +285,18 @@ class StateSync:
                 time.sleep(EVIDENCE_RETRY_S)
         return None
 
-    def _adopt_state(self, state: "DownloadedState") -> None:
-        """θ_global, outer momentum and outer step ← a downloaded state; θ_local ← θ_global."""
+    def _adopt_state(self, state: "DownloadedState", handoff=None, estimate=None, carry: bool = False) -> None:
+        """θ_global, outer momentum and outer step ← a downloaded state. θ_local ← θ_global before
+        training (join sync); after a round (``handoff``, ``estimate``: node/outer_sync.py), θ_local
+        keeps its progress since the hand-off, and the hand-off's Δ when ``carry``."""
         n = len(self.outer.theta)
         with self._state_lock:
             before = self.outer_step
-            self.outer.load_theta_and_momentum(state.tensors[:n], state.tensors[n:])
-            self.outer.copy_to(self.params)
+            if handoff is None:
+                self.outer.load_theta_and_momentum(state.tensors[:n], state.tensors[n:])
+                self.outer.copy_to(self.params)
+            else:
+                self.sync.adopt(state.tensors[:n], state.tensors[n:], handoff.delta, estimate, carry=carry)
             self.outer_step = state.meta["outer_step"]
         self.stats.theta_marks.append((self.outer_step, state.meta["theta_digest"]))
         self.stats.state_syncs += 1

@@ -23,12 +23,13 @@ class NodeStats:
 
     started: float = field(default_factory=time.monotonic)
     inner_s: float = 0.0  # all inner steps
-    wasted_inner_s: float = 0.0  # inner steps whose Δ was thrown away (state re-sync, stop)
+    wasted_inner_s: float = 0.0  # inner steps whose Δ was thrown away (never averaged and not carried, stop)
     averaging_s: float = 0.0  # the training thread waiting for a round (blocking mode: the whole round)
     sync_s: float = 0.0  # waiting for peers and downloading state
     eval_s: float = 0.0  # held-out evaluation on the training thread
-    failed_rounds: int = 0  # a group formed, but its round was partial or unconfirmed (our Δ applied)
+    failed_rounds: int = 0  # a group formed, but its round was partial or unconfirmed (no average applied)
     solo_rounds: int = 0  # no group formed
+    late_rounds: int = 0  # no verified group while others were online: θ_global kept, Δ carried into the next round
     state_syncs: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -70,6 +71,7 @@ class NodeStats:
             "tokens_total": self.tokens_total,
             "failed_rounds": self.failed_rounds,
             "solo_rounds": self.solo_rounds,
+            "late_rounds": self.late_rounds,
             "state_syncs": self.state_syncs,
             "inner_s": round(self.inner_s, 3),
             "wasted_inner_s": round(self.wasted_inner_s, 3),
