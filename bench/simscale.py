@@ -17,7 +17,8 @@ The model (all in ``simulate``):
 - **θ_global**: a ``DIM``-dimensional vector per peer. Each peer's Δ is ``tokens · (g_t + ε_i)``
   (a common direction ``g_t`` plus per-peer noise ``ε_i``, both N(0, I)). A group replaces each
   member's θ by ``mean(θ_j) + token-weighted mean(Δ_j)``: the θ differences are averaged along with
-  Δ, so groups that met hold one θ afterwards.
+  Δ (the node's θ-mixing, ``averaging/mixing.py``), so groups that met hold one θ afterwards; a group
+  whose members held different θ moves 3 int8 tensor sets (Δ, θ differences, momentum), else 1.
 
 Reported per configuration: the share of online peers in each round, groups per round,
 **lineages** (distinct θ among the peers that averaged in the round), the **θ spread** (RMS
@@ -104,10 +105,12 @@ def simulate(n_peers: int, cap: int, rounds: int, churn_per_hour: float = 0.1, s
             w = np.array([max(tokens[p], 1e-9) for p in members])
             mean_theta = np.mean([theta[p] for p in members], axis=0)
             mean_delta = np.average([delta[p] for p in members], axis=0, weights=w)
+            # members that hold different θ mix them: θ differences and momentum, 2 more int8 tensor sets
+            tensor_sets = 3 if len({id(theta[p]) for p in members}) > 1 else 1
             new = mean_theta + mean_delta
             for p in members:
                 theta[p] = new  # one array: members of a group hold the same θ
-                bytes_avg += int8_allreduce_bytes(len(members))
+                bytes_avg += tensor_sets * int8_allreduce_bytes(len(members))
         for p in plan.expected:
             tokens[p], delta[p] = 0.0, np.zeros(DIM)
             remaining[p] = INNER_S / speed[p]

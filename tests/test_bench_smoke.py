@@ -129,7 +129,9 @@ def test_simscale_runs_on_the_nodes_grouping_rule(tmp_path):
                for r in one["per_round"])
     grid = simulate(256, 16, rounds=6, seed=1)
     for r in grid["per_round"]:
-        assert r["grid_dims"] == 2 and r["groups"] >= r["expected"] / 16 and 0 < r["expected"] <= r["online"]
+        # the grid places every online peer (late ones too): 16² = 256 peers fit on 2 dimensions
+        assert r["grid_dims"] == (2 if r["online"] <= 256 else 3)
+        assert r["groups"] >= r["expected"] / 17 and 0 < r["expected"] <= r["online"]
         assert r["avg_bytes_per_peer"] > 0
     result = {"size": "smoke", "runs": [one, grid], "quorum": 0.5, "grace_s": 120.0, "inner_s": 600.0,
               "speed_sigma": 0.5, "params": 1e8, "provenance": __import__("bench.common", fromlist=["provenance"])

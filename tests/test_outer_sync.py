@@ -212,6 +212,7 @@ def test_an_adopted_state_keeps_local_progress_and_carries_delta_only_when_asked
 def bare_node(events, overlap=True):
     """A :class:`Node` with only what applying a round reads: θ_global, the sync, the counters
     (no model, DHT or averager); its round records are (outer step, late, tokens) tuples."""
+    from diloco_swarm.node.mixing import ThetaHistory
     from diloco_swarm.node.runner import Node
     from diloco_swarm.node.stats import NodeStats
 
@@ -220,6 +221,7 @@ def bare_node(events, overlap=True):
     node.params, node.outer, node.sync, node.stats = params, outer, sync, NodeStats()
     node.cfg, node._state_lock = SimpleNamespace(debug_dump_rounds=None), threading.Lock()
     node.outer_step, node._carried, node.records = 0, None, []
+    node.history, node._theta_version = ThetaHistory(), 0
     node._global_digest = lambda: f"step {node.outer_step}"
     node._after_round = lambda h, result, step, during, late=False: node.records.append((step, late, h.tokens))
     return node
@@ -344,3 +346,34 @@ def test_faulty_averagers_speak_the_honest_protocol():
         cls = make()
         assert issubclass(cls, PseudoGradientAverager) and cls is not PseudoGradientAverager
         assert cls._get_handle_name("run", "rpc_join_group") == honest
+
+
+def test_a_mixed_state_is_adopted_with_its_outer_step_keeping_local_progress():
+    """θ-mixing (node/mixing.py): the group's mixed θ_global, momentum and outer step replace ours;
+    θ_local keeps the progress made since the hand-off; the earlier θ_global stays as a reference."""
+    from diloco_swarm.node.mixing import MixedState, ThetaHistory
+
+    node = bare_node([])
+    node.history = ThetaHistory(keep=3)
+    inner_phase(node.params, seed=1)
+    h = node._handoff(tokens=100, steps=3, inner_s=1.0, loss=1.0)
+    theta0 = clone(node.outer.theta)
+    mixed = MixedState(theta=[t + 0.25 for t in theta0], momentum=[torch.full_like(t, 0.5) for t in theta0],
+                       outer_step=4, digest="ab" * 8, reference_step=0)
+    node.sync.run_round = lambda handoff, control: RoundOutcome(Result(True, 2), [d.clone() for d in handoff.delta],
+                                                               mixed=mixed, group_key="r0:d0:g0")
+    node.sync.hand_off(h)
+    estimate = clone(node.params)
+    inner_phase(node.params, seed=2)
+    progress = [p - e for p, e in zip(node.params, estimate)]
+    node._apply_round(wait=True, timeout=5)
+    # the round's record keeps the step it averaged (its synced_to says where the mix took us)
+    assert node.outer_step == 4 and node.records == [(1, False, 100)] and node.stats.mixed_rounds == 1
+    assert all(torch.equal(a, b) for a, b in zip(node.outer.theta, mixed.theta))
+    assert all(torch.equal(a, b) for a, b in zip(node.outer.momentum_buffers(), mixed.momentum))
+    for p, t, prog in zip(node.params, mixed.theta, progress):
+        torch.testing.assert_close(p - t, prog, rtol=0, atol=1e-6)
+    assert node.history.states() == [(0, "step 0")]
+    assert all(torch.equal(a, b) for a, b in zip(node.history.get((0, "step 0")), theta0))
+    assert node.stats.theta_marks[-1] == (4, "ab" * 8) and node.stats.state_syncs == 0
+

@@ -43,4 +43,6 @@ def test_the_status_line_shows_the_phase_target_and_an_extended_phase():
     assert line.startswith("outer 3 | inner 12/40 | loss 2.500")  # the phase's own (DyLU) target, not H
     extended = StatusLine.render({"outer_step": 3, "inner_step": 131, "phase_steps": 50, "inner_steps": 50})
     assert "inner 131/50, extended while the round runs" in extended
+    waiting = StatusLine.render({"outer_step": 3, "inner_step": 100, "phase_steps": 50, "inner_steps": 50, "waiting": True})
+    assert "inner 100/50, waiting for the round" in waiting
     assert "inner 0/50 |" in StatusLine.render({"inner_steps": 50})  # before the first phase

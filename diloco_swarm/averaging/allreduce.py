@@ -193,7 +193,8 @@ class ConsensusAllReduceRunner(AllReduceRunner):
             self.stats.bytes_sent += len(message.tensor_part.buffer)
             yield message
 
-    def _check_sender_part(self, part_index: int, tensor_part: torch.Tensor, weight: float, compression) -> str | None:
+    def _check_sender_part(self, sender: str, part_index: int, tensor_part: torch.Tensor, weight: float,
+                           compression) -> str | None:
         if compression != self._compression.compression_type:
             return "sent parts in another codec"
         if not (math.isfinite(weight) and 0.0 <= weight <= MAX_SENDER_WEIGHT):
@@ -205,12 +206,15 @@ class ConsensusAllReduceRunner(AllReduceRunner):
         norm = finite_norm([tensor_part])
         if norm is None:
             return "sent non-finite values"
-        scale = allowed_scale(self.max_part_rms_ratio, weight, self.weight)
-        bound = scale * max(self._local_part_rms[part_index], RMS_FLOOR)
+        bound = self._rms_bound(part_index, weight)
         part_rms = norm / math.sqrt(tensor_part.numel()) if tensor_part.numel() else 0.0
         if part_rms > bound:
             return f"sent a part with RMS {part_rms:.3g}, {SIZE_REASON} {bound:.3g}"
         return None
+
+    def _rms_bound(self, part_index: int, weight: float) -> float:
+        """The largest RMS a sender of ``weight`` may send for part ``part_index``."""
+        return allowed_scale(self.max_part_rms_ratio, weight, self.weight) * max(self._local_part_rms[part_index], RMS_FLOOR)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         sender_id = self.sender_peer_ids[sender_index]
@@ -226,7 +230,7 @@ class ConsensusAllReduceRunner(AllReduceRunner):
                 _deserialize, stream, max_prefetch=self.tensor_part_container.prefetch
             ):
                 self.stats.bytes_received += n_bytes
-                problem = self._check_sender_part(part_index, tensor_part, weight, compression)
+                problem = self._check_sender_part(sender_id.to_base58(), part_index, tensor_part, weight, compression)
                 if problem is not None:
                     self.stats.rejected_senders[sender_id.to_base58()] = problem
                     logger.warning(f"Rejected peer {sender_id.to_base58()}: it {problem}")
@@ -251,3 +255,30 @@ class ConsensusAllReduceRunner(AllReduceRunner):
             if part_index != self.tensor_part_reducer.num_parts:
                 self.stats.rejected_senders.setdefault(sender_id.to_base58(), "did not send all parts")
                 await self._ban_sender(sender_id)
+
+
+class MixingAllReduceRunner(ConsensusAllReduceRunner):
+    """The all-reduce of a θ-mixing round (averaging/mixing.py): the same consensus and checks, but
+    every sender's weight must be the one the group's :class:`~diloco_swarm.averaging.mixing.MixPlan`
+    gives it (1 or 0, known to every member), and a part's RMS is bounded against our own whole
+    contribution (θ differences and momentum) rather than scaled by tokens: a member behind the round
+    may hold the reference itself, so its own θ-difference part is zero.
+
+    :param planned_weights: peer id (base58) -> the weight the plan gives it.
+    """
+
+    def __init__(self, *args, planned_weights: dict[str, float], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.planned_weights = dict(planned_weights)
+        whole = finite_norm(list(self.parts_for_local_averaging)) or 0.0
+        size = sum(p.numel() for p in self.parts_for_local_averaging)
+        self._contribution_rms = whole / math.sqrt(size) if size else 0.0
+
+    def _check_sender_part(self, sender: str, part_index: int, tensor_part: torch.Tensor, weight: float,
+                           compression) -> str | None:
+        if weight != self.planned_weights.get(sender):
+            return f"sent weight {weight!r}, the round's plan gives it {self.planned_weights.get(sender)!r}"
+        return super()._check_sender_part(sender, part_index, tensor_part, weight, compression)
+
+    def _rms_bound(self, part_index: int, weight: float) -> float:
+        return self.max_part_rms_ratio * max(self._local_part_rms[part_index], self._contribution_rms, RMS_FLOOR)

@@ -32,10 +32,12 @@ from hivemind.compression import CompressionBase, Float16Compression, NoCompress
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time, get_logger
-from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.utils.asyncio import achain, aiter_with_timeout, anext, as_aiter
 from hivemind.utils.streaming import combine_from_streaming
 
 from diloco_swarm.averaging.allreduce import (
+    MixingAllReduceRunner,
     REFUSED_OUR_PART,
     RMS_FLOOR,
     SIZE_REASON,
@@ -47,6 +49,7 @@ from diloco_swarm.averaging.allreduce import (
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S, FAILED_MARK, OutcomeBoard, ask_outcomes, valid_outcome
 from diloco_swarm.averaging.grouping import majority_quorum
+from diloco_swarm.averaging.mixing import mixing_group_id
 from diloco_swarm.averaging.reachability import Responder
 from diloco_swarm.dht.calls import ChildGone, ChildUnavailable, bounded, dht_get, dht_store
 from diloco_swarm.utils.hivemind_fixes import keep_task_alive
@@ -73,6 +76,8 @@ AVOID_REFUSER_S = 300.0  # ... is avoided this long (one refusal can be an hones
 
 AVERAGER_START_TIMEOUT_S = 120.0  # fork, replicate the DHT's libp2p client, register handlers; a busy machine
 INBAND_GRACE_S = 1.0  # members' in-band answers usually arrive within this; the DHT copies are read after it
+RECENT_GROUPS = 8  # rounds whose group may still run its θ-mixing all-reduce (averaging/mixing.py)
+MIX_START_WAIT_S = DIGEST_WAIT_S + 15.0  # a member's mix request waits this long for our own mix to start
 
 COMPRESSIONS: dict[str, type[CompressionBase]] = {
     "int8": Int8BlockwiseCodec,
@@ -147,6 +152,7 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     compressions: dict[str, type[CompressionBase]] = COMPRESSIONS  # by --compression; faults.py swaps in broken ones
     allreduce_runner_type: type[ConsensusAllReduceRunner] = ConsensusAllReduceRunner
+    mixing_runner_type: type[MixingAllReduceRunner] = MixingAllReduceRunner
 
     def __init__(
         self,
@@ -177,6 +183,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         self._refusals: dict[str, list[float]] = {}  # peer id -> when it refused our valid part (monotonic)
         self._reachability = Responder()  # answers dial-back checks (public peers only)
         self._outcomes = OutcomeBoard()  # our outcomes of recent rounds, asked by their members (confirm.py)
+        self._recent_groups: dict[bytes, Any] = {}  # group id -> hivemind GroupInfo, newest last (θ-mixing)
+        self._default_target_group_size = target_group_size
         # hivemind's run_in_background() sets SIGINT to SIG_IGN in *our* process (meaning the
         # child); keep the child's SIG_IGN but give the caller its Ctrl+C handler back.
         previous_sigint = signal.getsignal(signal.SIGINT)
@@ -229,8 +237,14 @@ class PseudoGradientAverager(DecentralizedAverager):
     # --- runs in the averager process -------------------------------------------------
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
-        stats = RoundStats()
-        runner = self.allreduce_runner_type(
+        stats = self._round_stats[group_id.hex()] = RoundStats()
+        await self._run_consensus(self.allreduce_runner_type, tensors, group_info, group_id, stats, **kwargs)
+
+    async def _run_consensus(self, runner_type: type[ConsensusAllReduceRunner], tensors, group_info, group_id: bytes,
+                             stats: RoundStats, **kwargs) -> None:
+        """One consensus all-reduce of ``tensors`` in place (absolute averages) with ``group_info``'s
+        members, under ``group_id`` (already registered in ``_running_groups``)."""
+        runner = runner_type(
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -241,7 +255,6 @@ class PseudoGradientAverager(DecentralizedAverager):
             max_part_rms_ratio=self.max_norm_ratio,
             **kwargs,
         )
-        self._round_stats[group_id.hex()] = stats
         self._outcomes.expect(stats.group_id, stats.group_peer_ids)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
@@ -258,26 +271,83 @@ class PseudoGradientAverager(DecentralizedAverager):
         stats.failed_values = runner.tensor_part_container.failed_size
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+        self._recent_groups[group_info.group_id] = group_info  # its θ-mixing all-reduce may follow
+        while len(self._recent_groups) > RECENT_GROUPS:
+            del self._recent_groups[next(iter(self._recent_groups))]
         try:
             gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         finally:
             stats = self._round_stats.pop(group_info.group_id.hex(), RoundStats())
             self._round_stats.clear()
-            for peer, reason in stats.rejected_senders.items():
-                if SIZE_REASON in reason:  # a judgement on an unusual Δ, not proof: avoid it a while
-                    self._avoid(peer, AVOID_REFUSER_S, f"its Δ was too large ({reason})")
-                elif "too slow" not in reason and "did not send all parts" not in reason:
-                    self._banned_peers.add(peer)  # broke the protocol: never lead it again
-            for peer, reason in stats.failed_reducers.items():
-                # Our part was valid (we are honest): that reducer refuses honest members. A reducer
-                # that timed out is not avoided: under load an honest one does too, and a crashed one is gone.
-                if REFUSED_OUR_PART in reason:
-                    now = time.monotonic()
-                    recent = [t for t in self._refusals.get(peer, []) if now - t < AVOID_MEMORY_S] + [now]
-                    self._refusals[peer] = recent
-                    if len(recent) >= AVOID_AFTER_REFUSALS:
-                        self._avoid(peer, AVOID_REFUSER_S, f"it refused our valid part {len(recent)} times")
+            self._judge_members(stats)
         return {"gathered": gathered, "stats": dataclasses.asdict(stats)}
+
+    def _judge_members(self, stats: RoundStats) -> None:
+        """Ban or avoid the members whose conduct in a finished all-reduce showed them hostile."""
+        for peer, reason in stats.rejected_senders.items():
+            if SIZE_REASON in reason:  # a judgement on an unusual Δ, not proof: avoid it a while
+                self._avoid(peer, AVOID_REFUSER_S, f"its Δ was too large ({reason})")
+            elif "too slow" not in reason and "did not send all parts" not in reason:
+                self._banned_peers.add(peer)  # broke the protocol: never lead it again
+        for peer, reason in stats.failed_reducers.items():
+            # Our part was valid (we are honest): that reducer refuses honest members. A reducer
+            # that timed out is not avoided: under load an honest one does too, and a crashed one is gone.
+            if REFUSED_OUR_PART in reason:
+                now = time.monotonic()
+                recent = [t for t in self._refusals.get(peer, []) if now - t < AVOID_MEMORY_S] + [now]
+                self._refusals[peer] = recent
+                if len(recent) >= AVOID_AFTER_REFUSALS:
+                    self._avoid(peer, AVOID_REFUSER_S, f"it refused our valid part {len(recent)} times")
+
+    @keep_task_alive
+    async def _mix_round(self, group_id: str, tensors: list[torch.Tensor], weight: float,
+                         planned_weights: dict[str, float], future: MPFuture):
+        """The θ-mixing all-reduce of recent round ``group_id`` (hex): the same members in the same
+        order, ``tensors`` (shared memory) averaged in place; resolves ``future`` with its RoundStats."""
+        try:
+            group_info = self._recent_groups.get(bytes.fromhex(group_id))
+            if group_info is None:
+                raise RuntimeError("the round is no longer among our recent ones")
+            mix_id = mixing_group_id(group_info.group_id)
+            bandwidths, mode_ids, _ = zip(*map(self.serializer.loads, group_info.gathered))
+            download = [b if AveragingMode(m) != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, mode_ids)]
+            kwargs = dict(self.allreduce_kwargs)
+            min_vector_size = kwargs.pop("min_vector_size")
+            fractions = await asyncio.get_event_loop().run_in_executor(
+                None, load_balance_peers, sum(t.numel() for t in tensors), download, min_vector_size)
+            self._running_groups.setdefault(mix_id, asyncio.Future())  # unless a member's request made it
+            stats = RoundStats()
+            try:
+                await asyncio.wait_for(self._run_consensus(
+                    self.mixing_runner_type, tensors, group_info, mix_id, stats, planned_weights=planned_weights,
+                    peer_fractions=fractions, weight=float(weight), **kwargs), timeout=self._allreduce_timeout_s)
+            finally:
+                self._running_groups.pop(mix_id, None)
+                self._judge_members(stats)
+            future.set_result(dataclasses.asdict(stats))
+        except BaseException as e:
+            if not future.done():
+                future.set_exception(RuntimeError(_short_reason(e) if str(e) else type(e).__name__))
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's handler; a part for the θ-mixing all-reduce of one of our recent rounds waits
+        (at most ``MIX_START_WAIT_S``) for our own mix to start instead of being refused."""
+        request = await anext(stream)
+        mixes = {mixing_group_id(g) for g in self._recent_groups}
+        if request.group_id in mixes and request.group_id not in self._running_groups:
+            waiting = self._running_groups[request.group_id] = asyncio.Future()
+
+            def drop_if_unstarted():
+                if not waiting.done():
+                    waiting.cancel()
+                    if self._running_groups.get(request.group_id) is waiting:
+                        del self._running_groups[request.group_id]
+
+            asyncio.get_event_loop().call_later(MIX_START_WAIT_S, drop_if_unstarted)
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
 
     def _avoid(self, peer: str, seconds: float, why: str) -> None:
         """Neither join a group this peer leads nor let it join ours, for ``seconds``."""
@@ -292,11 +362,15 @@ class PseudoGradientAverager(DecentralizedAverager):
         return until is not None
 
     async def _step(self, *, step, future_for_init):
-        """hivemind's step, with matchmaking that skips the leaders we avoid (installed once), and
-        the round's quorum as hivemind's ``min_group_size`` (:meth:`_quorum`)."""
+        """hivemind's step, with matchmaking that skips the leaders we avoid (installed once), and the
+        round's group key, target size and quorum from what ``average()`` put in our gathered data
+        (:meth:`_round_settings`)."""
         matchmaking = getattr(self, "_matchmaking", None)
         if matchmaking is not None:
-            matchmaking.min_group_size = self._quorum(step, matchmaking.target_group_size)
+            bits, target, online = self._round_settings(step)
+            matchmaking.group_key_manager.group_bits = bits
+            matchmaking.target_group_size = target
+            matchmaking.min_group_size = self._quorum(online, target)
         if matchmaking is not None and not getattr(matchmaking, "_skips_avoided_leaders", False):
             request_join_group = matchmaking._request_join_group
 
@@ -305,19 +379,37 @@ class PseudoGradientAverager(DecentralizedAverager):
                     return None  # hivemind's matchmaking then tries the next potential leader
                 return await request_join_group(leader)
 
+            async def keep_our_key(group_info):  # hivemind would rotate group bits itself; we set them per round
+                return None
+
             matchmaking._request_join_group = _request_join_group
+            matchmaking.group_key_manager.update_key_on_group_assembled = keep_our_key
             matchmaking._skips_avoided_leaders = True
         return await super()._step(step=step, future_for_init=future_for_init)
 
-    def _quorum(self, step, max_group_size: int) -> int:
-        """``grouping.majority_quorum`` of the ``online_peers`` count that ``average()`` put in our
-        gathered data, without the peers we ban or avoid (they never join our groups); 2 without a count."""
+    def _round_settings(self, step) -> tuple[str, int, int | None]:
+        """(group bits, target group size, online peers) that ``average()`` gathered for this round:
+        our defaults (no bits: the run's one key) where they are missing or malformed."""
         try:
             _, _, user_data = self.serializer.loads(step.data_for_gather)
-            online = self.serializer.loads(user_data).get("online_peers")
+            data = self.serializer.loads(user_data)
         except Exception:
+            data = {}
+        data = data if isinstance(data, dict) else {}
+        bits, target, online = data.get("group_bits"), data.get("group_size"), data.get("online_peers")
+        if not (isinstance(bits, str) and len(bits) <= 64 and set(bits) <= {"0", "1"}):
+            bits = ""
+        # a planned group may hold one more than the cap (grouping.plan_round: nobody averages alone)
+        if not (isinstance(target, int) and not isinstance(target, bool) and 2 <= target <= self._default_target_group_size + 1):
+            target = self._default_target_group_size
+        if not (isinstance(online, int) and not isinstance(online, bool)):
             online = None
-        if not isinstance(online, int) or isinstance(online, bool):
+        return bits, target, online
+
+    def _quorum(self, online: int | None, max_group_size: int) -> int:
+        """``grouping.majority_quorum`` of the ``online`` peers count that ``average()`` gathered,
+        without the peers we ban or avoid (they never join our groups); 2 without a count."""
+        if online is None:
             return 2
         shunned = len(self._banned_peers) + sum(1 for p in list(self._avoided_peers) if self._avoids(p))
         return majority_quorum(max(1, online - shunned), max_group_size)
@@ -464,6 +556,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         give_up: threading.Event | None = None,
         scheduled_time: float | None = None,
         online_peers: int | None = None,
+        group_bits: str = "",
+        group_size: int | None = None,
     ) -> tuple[RoundResult, list[torch.Tensor]]:
         """Average ``delta`` with a group of peers; return the verified result.
 
@@ -482,6 +576,10 @@ class PseudoGradientAverager(DecentralizedAverager):
             ``step(scheduled_time=...)``): the leader waits for followers until then.
         :param online_peers: peers of the run online now, this one included: a group must then
             hold a strict majority of them (``grouping.majority_quorum``); None: any 2 peers.
+        :param group_bits: hivemind group bits of this round's planned group (``mixing.group_bits``
+            of a ``grouping.plan_round`` key): only peers with the same bits meet; "" = the run's one key.
+        :param group_size: the planned group's size (the leader starts once it is full); None: the
+            averager's ``target_group_size``.
         :returns: the round's result and the Δ to apply: the group's average when ``ok``,
             else a copy of ``delta``.
         """
@@ -495,7 +593,9 @@ class PseudoGradientAverager(DecentralizedAverager):
                 return self._solo(started, reason="the averager process is gone"), local
             if scheduled_time is not None:
                 scheduled_time = min(scheduled_time, get_dht_time() + 0.9 * timeout)
-            control = self.step(weight=float(weight), gather={**metadata, "weight": float(weight), "online_peers": online_peers}, timeout=timeout, allow_retries=True, wait=False,
+            gather = {**metadata, "weight": float(weight), "online_peers": online_peers, "group_bits": group_bits,
+                      "group_size": group_size}
+            control = self.step(weight=float(weight), gather=gather, timeout=timeout, allow_retries=True, wait=False,
                                 scheduled_time=scheduled_time)
             # hivemind bounds the step in the averager process; this bounds our wait if that process dies
             deadline = time.monotonic() + timeout + self._allreduce_timeout_s + 30.0
@@ -544,6 +644,55 @@ class PseudoGradientAverager(DecentralizedAverager):
         if problem is not None:
             result.reason = problem
             logger.warning(f"Averaging round failed ({problem}); the average is not used")
+            return result, local
+        result.ok = True
+        return result, averaged
+
+    def mix(self, contribution: Sequence[torch.Tensor], *, round_result: RoundResult, weight: float,
+            planned_weights: dict[str, float], digest_wait: float = DIGEST_WAIT_S,
+            stop: threading.Event | None = None) -> tuple[RoundResult, list[torch.Tensor]]:
+        """θ-mixing (averaging/mixing.py): a second consensus all-reduce in the group of the verified
+        round ``round_result``, over ``contribution`` (fp32 CPU tensors: this member's θ differences
+        to the plan's reference, then its outer momentum), verified like a round (every part checked,
+        every member confirming the same digest).
+
+        :param weight: this member's weight in the plan (1 or 0); ``planned_weights`` every member's.
+        :returns: the mixing round's result and the mixed tensors (``contribution``'s shapes) when
+            ``ok``, else a copy of ``contribution``. Never raises for a failed or silent group.
+        """
+        started = time.perf_counter()
+        local = [t.detach().to("cpu", torch.float32).clone() for t in contribution]
+        shared = [t.clone().share_memory_() for t in local]  # the averager process writes the average into them
+
+        def start() -> MPFuture:
+            future = MPFuture()
+            self._outer_pipe.send(("_mix_round", [], dict(group_id=round_result.group_id, tensors=shared,
+                                                         weight=float(weight), planned_weights=dict(planned_weights),
+                                                         future=future)))
+            return future
+
+        try:
+            stats = RoundStats(**bounded(self, "θ-mixing all-reduce", start, self._allreduce_timeout_s + 10.0, stop))
+        except Exception as e:
+            with contextlib.suppress(Exception):  # so the other members do not wait for our digest
+                mix_id = mixing_group_id(bytes.fromhex(round_result.group_id)).hex()
+                self._publish_outcome(RoundStats(group_id=mix_id, group_peer_ids=round_result.group_peer_ids), FAILED_MARK)
+            return RoundResult(ok=False, group_size=round_result.group_size, group_peer_ids=round_result.group_peer_ids,
+                               reason=f"mixing: {_short_reason(e)}", seconds=time.perf_counter() - started), local
+        result = RoundResult(ok=False, group_size=max(1, len(stats.group_peer_ids)), group_peer_ids=stats.group_peer_ids,
+                             group_id=stats.group_id, bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
+                             rejected_peers={**stats.rejected_senders, **stats.failed_reducers})
+        averaged = [t.clone() for t in shared]
+        problem = self._check_round(stats, local, averaged, weight=1.0, gathered={})  # weights are the plan's: no token scaling
+        if problem is None:
+            result.digest = tensors_digest(averaged)
+            problem = self._cross_check(stats, result, digest_wait, stop)
+        elif len(stats.group_peer_ids) >= 2:
+            self._publish_outcome(stats, FAILED_MARK)
+        result.seconds = time.perf_counter() - started
+        if problem is not None:
+            result.reason = f"mixing: {problem}"
+            logger.warning(f"θ-mixing round failed ({problem}); each member keeps its own θ_global")
             return result, local
         result.ok = True
         return result, averaged

@@ -13,16 +13,21 @@ The rule, for round ``t`` (the outer step the peers are finishing):
 2. **Everyone, when the swarm fits**: ``n_expected ≤ max_group_size`` gives one group of all
    expected peers (key ``"r{t}:all"``).
 3. **A rotating grid beyond the cap** (Moshpit SGD, Ryabinin et al., arXiv 2103.03239): the
-   expected peers, ranked by sha256 of their peer id, sit on a ``d``-dimensional grid of side
+   coming peers (late ones too, so that slightly different views of the ETAs give the same grid;
+   they are then left out of their group), ranked by sha256 of their peer id, sit on a ``d``-dimensional grid of side
    ``m`` (``d`` the smallest with ``max_group_size**d ≥ n``, ``m`` the smallest with ``m**d ≥ n``,
    so ``m ≤ max_group_size``); rank ``r`` has the base-``m`` digits of ``r`` as coordinates. In
-   round ``t`` the peers are ordered line by line along dimension ``k = t mod d`` (a line: the
-   peers whose coordinates agree everywhere but at ``k``) and cut into ``ceil(n / max_group_size)``
-   consecutive groups whose sizes differ by at most one. When the grid is full and its side is the
-   cap, the groups are exactly the lines, and after ``d`` consecutive rounds every peer holds the
-   exact global average (Moshpit's exact-averaging setting); on a partial grid the cut keeps the
-   groups balanced (no peer left alone by an empty line), and ``d`` rounds still connect every
-   peer. The rank hash is fixed, so the grid changes only when the expected peers do.
+   round ``t`` the groups are made of whole lines along dimension ``k = t mod d`` (a line: the
+   peers whose coordinates agree everywhere but at ``k``; at most ``m`` of them): consecutive lines
+   are packed into groups of about ``n / ceil(n / max_group_size)`` peers, never more than the cap,
+   and a peer left alone by a partial line joins the smallest group (which may then hold one more
+   than the cap). Lines of different dimensions cross, so consecutive rounds mix every group. When
+   the grid is full and its side is the cap, the groups are exactly the lines, and after ``d``
+   consecutive rounds every peer holds the exact global average (Moshpit's exact-averaging
+   setting). Cutting the line order into balanced blocks instead keeps corner blocks together in
+   every dimension (8 peers on a 3 × 3 grid in groups of 4: three peers always met each other and
+   only each other, ``bench scale``). The rank hash is fixed, so the grid changes only when the
+   coming peers do.
 
     plan = plan_round(t, {"QmA": 12.0, "QmB": 14.5, ...}, max_group_size=64, grace_s=10.0)
     plan.groups          # {key: (peer ids, sorted)}
@@ -80,6 +85,28 @@ def _grid(n: int, cap: int) -> tuple[int, int]:
     return dims, side
 
 
+def _pack_lines(lines: list[list[str]], n: int, cap: int) -> list[list[str]]:
+    """Whole lines, in order, packed into groups of about ``n / ceil(n / cap)`` peers and never more
+    than ``cap``; a peer left alone (a line of one with no room beside it) joins the smallest group,
+    which may then hold ``cap + 1``: nobody averages alone while others average."""
+    target = math.ceil(n / math.ceil(n / cap))
+    groups: list[list[str]] = []
+    for line in lines:
+        if groups and len(groups[-1]) < target and len(groups[-1]) + len(line) <= cap:
+            groups[-1].extend(line)
+        else:
+            groups.append(list(line))
+    alone = [g[0] for g in groups if len(g) == 1]
+    if len(alone) > 1:  # the peers of partial lines pair up among themselves
+        groups = [g for g in groups if len(g) > 1]
+        groups += [alone[i:i + cap] for i in range(0, len(alone), cap)]
+    single = next((g for g in groups if len(g) == 1), None)
+    if single is not None and len(groups) > 1:
+        groups.remove(single)
+        min(groups, key=len).extend(single)
+    return groups
+
+
 def majority_quorum(online: int, max_group_size: int = DEFAULT_MAX_GROUP_SIZE) -> int:
     """The fewest members a group of this round may start with (hivemind's ``min_group_size``).
 
@@ -132,25 +159,26 @@ def plan_round(
     deadline = coming[q - 1][0] + grace_s
     expected = sorted(p for e, p in coming if e <= deadline)
     late = tuple(sorted(p for p in clean if clean[p] > deadline))
-    n = len(expected)
-    if n <= max_group_size:
+    if len(expected) <= max_group_size and len(coming) <= max_group_size:
         return RoundPlan(round_no, deadline, tuple(expected), late, {f"r{round_no}:all": tuple(expected)})
+    # The grid places every coming peer, the late ones too: peers that read the ETAs a moment apart
+    # (one sees a peer just inside the deadline, another just outside) still agree on the groups.
+    grid = [p for _, p in coming]
+    n = len(grid)
     dims, side = _grid(n, max_group_size)
     k = round_no % dims
-    ranked = sorted(expected, key=_rank_key)
+    ranked = sorted(grid, key=_rank_key)
 
-    def line_order(r: int) -> tuple[int, ...]:
+    lines: dict[tuple[int, ...], list[str]] = {}  # the other coordinates -> the line's peers
+    for r, peer in enumerate(ranked):
         digits = [(r // side ** i) % side for i in range(dims)]
-        return tuple(digits[:k] + digits[k + 1:]) + (digits[k],)
-
-    order = [ranked[r] for r in sorted(range(n), key=line_order)]
-    n_groups = math.ceil(n / max_group_size)
+        lines.setdefault(tuple(digits[:k] + digits[k + 1:]), []).append(peer)
+    on_time = set(expected)
     groups: dict[str, tuple[str, ...]] = {}
-    start = 0
-    for g in range(n_groups):  # balanced: sizes differ by at most one
-        size = n // n_groups + (1 if g < n % n_groups else 0)
-        groups[f"r{round_no}:d{k}:g{g}"] = tuple(sorted(order[start:start + size]))
-        start += size
+    for g, cell in enumerate(_pack_lines([lines[key] for key in sorted(lines)], n, max_group_size)):
+        members = tuple(sorted(p for p in cell if p in on_time))
+        if members:
+            groups[f"r{round_no}:d{k}:g{g}"] = members
     return RoundPlan(round_no, deadline, tuple(expected), late, groups, dims, side)
 
 

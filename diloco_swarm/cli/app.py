@@ -149,7 +149,7 @@ def join(
     name: Annotated[str, typer.Option(help=f"Nickname shown to other peers (at most {MAX_NAME} characters).", rich_help_panel=LOCAL)] = "",
     max_dataset_bytes: Annotated[Optional[int], typer.Option(min=1024, help="Read at most this many bytes of the dataset (faster start on big corpora).", rich_help_panel=LOCAL)] = None,
     wait_for_peers: Annotated[int, typer.Option(min=0, help="Before training, wait up to 2 minutes until this many peers (this one included) are online. 0 = start at once.", rich_help_panel=SWARM)] = 0,
-    target_group_size: Annotated[int, typer.Option(min=0, help="Peers per averaging group; 0 = the whole swarm in one group (up to --max-group-size), so every peer holds one θ_global: a group must hold a majority of the online peers.", rich_help_panel=AVERAGING)] = 0,
+    target_group_size: Annotated[int, typer.Option(min=0, help="Peers per averaging group; 0 = the whole swarm in one group (up to --max-group-size), so every peer holds one θ_global: a group must hold a majority of the online peers. Smaller groups follow a rotating grid and mix θ_global between rounds (docs/architecture.md).", rich_help_panel=AVERAGING)] = 0,
     max_group_size: Annotated[int, typer.Option(min=2, max=1024, help="Most peers in one averaging group.", rich_help_panel=AVERAGING)] = 64,
     matchmaking_time: Annotated[float, typer.Option(min=0.5, help="Seconds a group leader waits for more peers at least; it waits longer for peers whose inner phase is about to end (progress alignment).", rich_help_panel=AVERAGING)] = 2.0,
     averaging_window: Annotated[float, typer.Option(min=1.0, help="Seconds to look for a group before going solo for this outer step.", rich_help_panel=AVERAGING)] = 30.0,

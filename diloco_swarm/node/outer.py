@@ -69,18 +69,30 @@ class OuterOptimizer:
         :returns: new fp32 CPU tensors shaped like θ_global.
         :raises ValueError: ``delta`` has another count or shapes than θ_global.
         """
+        return self.preview_state(delta)[0]
+
+    @torch.no_grad()
+    def preview_state(self, delta: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(θ_global, outer momentum) after :meth:`step` with grad = ``delta``, nothing changed
+        (:meth:`preview`'s arithmetic); the momentum is zeros when the optimizer has none.
+
+        :returns: two lists of new fp32 CPU tensors shaped like θ_global.
+        :raises ValueError: ``delta`` has another count or shapes than θ_global.
+        """
         self._check_like_theta(delta, "the outer gradient")
         group = self.optimizer.param_groups[0]
         lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
-        out = []
+        thetas, buffers = [], []
         for theta, d in zip(self.theta, delta):
             grad = d.to(torch.float32)
+            buf = torch.zeros_like(theta)
             if momentum != 0:
                 buf = self.optimizer.state.get(theta, {}).get("momentum_buffer")
                 buf = grad.clone() if buf is None else buf.mul(momentum).add_(grad)
                 grad = grad.add(buf, alpha=momentum) if nesterov else buf
-            out.append(theta.add(grad, alpha=-lr))
-        return out
+            thetas.append(theta.add(grad, alpha=-lr))
+            buffers.append(buf)
+        return thetas, buffers
 
     @torch.no_grad()
     def copy_to(self, params: Iterable[nn.Parameter]) -> None:

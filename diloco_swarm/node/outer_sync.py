@@ -59,6 +59,7 @@ class Handoff:
     loss: float | None  # mean training loss of the phase
     outer_step: int  # θ_global's outer step at the hand-off
     theta_digest: str  # digest of θ_global at the hand-off
+    marks: list = field(default_factory=list)  # [step, digest] of earlier θ_global we hold (mixing references)
     started: float = 0.0  # time.monotonic() of the hand-off
     carried: "Carried | None" = None  # late rounds whose Δ this one carries
 
@@ -101,15 +102,21 @@ class RoundOutcome:
 
     ``average``: the Δ to apply (the verified group average, or our own Δ). ``state``: instead of
     applying ``average``, adopt this downloaded state (θ_global + momentum of a canonical peer);
-    its shape is the caller's business. ``alone``: nobody to average with (no other peer online, or
-    only clients, which cannot reach each other): a solo outer step is then right; otherwise an
-    unverified round is late, see :meth:`OuterSync.hold`.
+    ``mixed``: instead, adopt the state the group's θ-mixing produced (node/mixing.py); their shapes
+    are the caller's business. ``mixing``: the mixing round's result, when one ran. ``alone``: nobody
+    to average with (no other peer online, or only clients, which cannot reach each other): a solo
+    outer step is then right; otherwise an unverified round is late, see :meth:`OuterSync.hold`.
+    ``group_key``: the planned group's key when the swarm averages in groups smaller than itself
+    (``grouping.plan_round``; θ-mixing then merges their lineages), "" when it averages as one.
     """
 
     result: Any  # averaging.averager.RoundResult
     average: list[torch.Tensor]
     state: Any = None
     alone: bool = False
+    group_key: str = ""
+    mixed: Any = None  # node.mixing.MixedState
+    mixing: Any = None  # averaging.averager.RoundResult of the mixing all-reduce
 
 
 @dataclass

@@ -69,10 +69,13 @@ class MetricsWriter:
             self._file = None
 
 
-def _inner_progress(step: int, target: int | None) -> str:
-    """``inner 12/50``; past the target the phase runs on while the round is in flight (overlap)."""
+def _inner_progress(step: int, target: int | None, waiting: bool = False) -> str:
+    """``inner 12/50``; past the target the phase runs on while the round is in flight (overlap), up
+    to DyLU's bound, where training waits for the round."""
     if target is None:
         return f"inner {step}/?"
+    if waiting:
+        return f"inner {step}/{target}, waiting for the round (the phase is at its longest)"
     return f"inner {step}/{target}" + (", extended while the round runs" if step > target else "")
 
 
@@ -114,7 +117,7 @@ class StatusLine:
         target (DyLU), ``inner_steps`` the run's nominal H."""
         parts = [
             f"outer {f.get('outer_step', 0)}",
-            _inner_progress(f.get("inner_step", 0), f.get("phase_steps") or f.get("inner_steps")),
+            _inner_progress(f.get("inner_step", 0), f.get("phase_steps") or f.get("inner_steps"), bool(f.get("waiting"))),
             f"loss {f['loss']:.3f}" if f.get("loss") is not None else "loss -",
             f"{f.get('tokens_per_s', 0):,.0f} tok/s",
             f"peers {f.get('peers_seen', 1)}" + (" (we are a client)" if f.get("reachability") == "client" else ""),

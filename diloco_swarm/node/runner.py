@@ -31,9 +31,11 @@ from diloco_swarm.data import evaluate
 from diloco_swarm.node.checkpoint import save_checkpoint
 from diloco_swarm.node.config import NodeConfig
 from diloco_swarm.node.errors import Diverged, NodeError  # noqa: F401  (re-exported: cli maps NodeError to exit 2)
+from diloco_swarm.node.mixing import Mixing, ThetaHistory
 from diloco_swarm.node.outer_sync import Carried, Handoff, OuterSync, RoundControl, RoundOutcome
 from diloco_swarm.node.report import MetricsWriter, StatusLine
 from diloco_swarm.averaging.allreduce import finite_norm
+from diloco_swarm.averaging.mixing import group_bits, history_length
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
 from diloco_swarm.node.startup import Startup
 from diloco_swarm.node.stats import NodeStats
@@ -45,11 +47,14 @@ from diloco_swarm.utils.worker import Worker
 WARMUP_INNER_STEPS = 50  # linear inner-LR warm-up over the swarm's first 50 inner steps
 REBOOTSTRAP_EVERY_S = 30.0  # a client alone re-dials its --initial-peers this often
 CHECKPOINT_WRITE_TIMEOUT_S = 30.0  # a graceful leave waits this long for the last checkpoint write
-MAX_PHASE_BATCHES = 1 << 40  # a phase extended while a round runs draws batches until the round ends
+MAX_PHASE_BATCHES = 1 << 40  # the batch stream of a phase is open-ended: the loop decides where the phase ends
 ROUND_GIVE_UP_S = 15.0  # a round given up gets this long to end
+ROUND_WAIT_POLL_S = 0.5  # a training thread waiting for a round looks at the stop flag this often
 ALIGN_SLACK_S = 1.0  # a round waits this long past the last expected member's hand-off
 SWARM_REFRESH_S = 5.0  # a phase planned before we knew our speed re-reads the swarm's records this often
 MAX_CARRIED_ROUNDS = 2  # a peer late this many rounds in a row applies its carried Δ alone (bounded staleness)
+GRID_DIMS_GUESS = 3  # with --target-group-size set, keep mixing references for a grid this deep until one is planned
+GRID_MEMORY_S = 20.0  # a peer whose record a read missed stays in the round's grid this long (a partial read under load)
 
 
 class StopFlag:
@@ -87,7 +92,7 @@ class StopFlag:
     def requested(self) -> bool:
         return self.event.is_set()
 
-class Node(Startup, StateSync):
+class Node(Startup, StateSync, Mixing):
     """One DiLoCo peer. Build with a :class:`NodeConfig`, then :meth:`run`."""
 
     def __init__(self, config: NodeConfig, status: StatusLine | None = None):
@@ -117,7 +122,12 @@ class Node(Startup, StateSync):
         self._last_checkpoint = None  # future of the newest checkpoint write
         self.swarm_inner_step_s: float | None = None  # the online peers' median (DyLU)
         self.swarm_phase_eta: float | None = None  # the other online peers' median phase_eta (unix time)
-        self._digest_cache: tuple[tuple[int, int], str] | None = None  # ((outer step, state syncs), digest)
+        self._theta_version = 0  # bumped at every change of θ_global (under the state lock)
+        self._digest_cache: tuple[int, str] | None = None  # (θ version, digest)
+        # earlier θ_global states: θ-mixing references (node/mixing.py); a set group size plans a grid from the start
+        self._history_floor = history_length(GRID_DIMS_GUESS) if config.target_group_size else 1
+        self._grid_records: dict[str, tuple[float, Any]] = {}  # peer id -> (time.monotonic() seen, its record)
+        self.history = ThetaHistory(self._history_floor)
         self._last_eval_s = 0.0  # seconds the last held-out evaluation took (prices the next one)
         self._carried: Carried | None = None  # late rounds whose Δ θ_local still holds (outer_sync.hold)
         self._last_phase_index = -1  # data and LR warm-up index of the last phase (a late round repeats no data)
@@ -246,8 +256,9 @@ class Node(Startup, StateSync):
         """One inner phase: DyLU-sized, extended while the previous round is still in flight.
 
         A round that finishes during the phase is applied between two inner steps. A round still
-        running when the phase has its steps does not stop training: the phase goes on until the
-        round ends, which its own time bounds guarantee (the averaging window, then the all-reduce
+        running when the phase has its steps does not stop training: the phase goes on, up to DyLU's
+        ``max_inner_steps`` (Δ, and with it the outer step, grows with the steps behind it), and then
+        waits for the round, which its own time bounds end (the averaging window, then the all-reduce
         and confirmation timeouts). Past those bounds plus a margin the round is given up.
         :returns: the phase's hand-off, or None when a stop was requested (its steps are dropped).
         :raises Diverged: the pseudo-gradient is not finite.
@@ -304,6 +315,13 @@ class Node(Startup, StateSync):
                 if self.sync.overdue(self.round_deadline_s):
                     self._give_up_round()
                     break
+                if steps >= self.max_inner_steps:
+                    # Δ grows with the steps behind it, and so does the outer step: beyond DyLU's range
+                    # an ever longer phase would make it ever larger. Wait for the round instead.
+                    if not self._finish_round_in_flight():
+                        self.stats.wasted_inner_s += self.stats.inner_s - inner_before
+                        return None
+                    break
         inner_s = self.stats.inner_s - inner_before
         self.stats.inner_step_s = inner_s / steps
         self.stats.tokens_per_s = tokens / max(inner_s, 1e-9)
@@ -323,8 +341,8 @@ class Node(Startup, StateSync):
             )
         carried, self._carried = self._carried, None  # Δ already holds it: θ_local kept the late rounds' work
         return Handoff(delta=delta, tokens=tokens + (carried.tokens if carried else 0), inner_steps=steps,
-                       inner_s=inner_s, loss=loss, outer_step=self.outer_step,
-                       theta_digest=self._global_digest(), started=time.monotonic(), carried=carried)
+                       inner_s=inner_s, loss=loss, outer_step=self.outer_step, theta_digest=self._global_digest(),
+                       marks=self._reference_marks(), started=time.monotonic(), carried=carried)
 
     def _inner_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One AdamW step on one batch ([B, T] int64 inputs and targets); returns its loss (nats/token)."""
@@ -337,6 +355,23 @@ class Node(Startup, StateSync):
         self.inner_opt.step()
         self.stats.inner_steps_total += 1
         return loss.item()
+
+    def _finish_round_in_flight(self) -> bool:
+        """Wait for the round in flight and apply it (giving it up past its time bounds).
+        :returns: False when a stop was requested meanwhile (the round stays in flight for the leave)."""
+        self._status(force=True, waiting=True)
+        try:
+            while self.sync.in_flight and not self.sync.overdue(self.round_deadline_s):
+                if self.stop.requested:
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    self._apply_round(wait=True, timeout=ROUND_WAIT_POLL_S)
+                    return True
+            if self.sync.in_flight:
+                self._give_up_round()
+            return True
+        finally:
+            self.stats.live["waiting"] = False
 
     def _give_up_round(self) -> None:
         """The round in flight outlived its own time bounds: stop looking for a group and apply
@@ -362,17 +397,25 @@ class Node(Startup, StateSync):
         from diloco_swarm.averaging.averager import RoundResult
 
         try:
-            result, average, alone = self._average(handoff, control)
+            result, average, alone, group_key = self._average(handoff, control)
         except Exception as e:  # never lose the training thread to a round: it becomes a late round
             return RoundOutcome(RoundResult(ok=False, group_size=1, reason=f"round failed: {e!r}"[:200]),
                                 [d.clone() for d in handoff.delta])
-        state = None
-        if result.gathered and not control.stop.is_set():
+        outcome = RoundOutcome(result, average, alone=alone, group_key=group_key)
+        if not result.gathered or control.stop.is_set():
+            return outcome
+        mine = (handoff.outer_step, handoff.theta_digest)
+        if result.ok:  # members that started from different θ_global mix them (node/mixing.py)
             try:
-                state = self._reconcile(result.gathered, (handoff.outer_step, handoff.theta_digest), applied=result.ok)
+                outcome.mixed, outcome.mixing = self._mix(result, average, mine, control)
+            except Exception as e:  # the DHT did not answer (the evidence read): compare θ_global instead
+                self.status.log(f"could not mix θ_global with the group after the round: {e}")
+        if outcome.mixed is None and not control.stop.is_set():
+            try:
+                outcome.state = self._reconcile(result.gathered, mine, applied=result.ok)
             except Exception as e:  # the DHT or averager did not answer: the round stands, the next one reconciles
                 self.status.log(f"could not compare θ_global with the group after the round: {e}")
-        return RoundOutcome(result, average, state, alone=alone)
+        return outcome
 
     def _average(self, handoff: Handoff, control: RoundControl):
         """:returns: (the round's result, the Δ to apply, whether no other peer was online)."""
@@ -387,17 +430,22 @@ class Node(Startup, StateSync):
                 self.status.log("warning: no public peer in the swarm, only clients (which cannot reach each "
                                 "other); training solo until a public peer joins. A peer that can accept "
                                 "connections (port forwarded, or a server) lets the swarm average again")
-            return RoundResult(ok=False, group_size=1, reason="no public peer: every peer is a client"), own, True
+            return RoundResult(ok=False, group_size=1, reason="no public peer: every peer is a client"), own, True, ""
         records = self._read_records()
         self._note_swarm(records)  # fresh for the phase that follows this round (a re-sync aims at the swarm's hand-off)
         others = bool(self.averager.donors()) or any(p != self.peer_id for p in records)
         if self.sync.overlap and not others:
-            return RoundResult(ok=False, group_size=1, reason="no other peer online"), own, True
+            return RoundResult(ok=False, group_size=1, reason="no other peer online"), own, True, ""
+        plan, start = self._plan_round(handoff, records)
+        key, members = plan.group_of(self.peer_id)
+        grid = len(plan.groups) > 1  # groups smaller than the swarm: θ-mixing keeps them one model
+        self.history.resize(max(self._history_floor, history_length(plan.dims if grid else 1)))
         result, average = self.averager.average(
             self._contribution(handoff.delta), weight=max(handoff.tokens, 1), metadata=self._round_metadata(handoff),
             timeout=self.cfg.averaging_window, stop=control.stop, give_up=control.give_up, digest_wait=DIGEST_WAIT_S,
-            scheduled_time=self._aligned_start(handoff, records), online_peers=len(set(records) | {self.peer_id}))
-        return result, average, not others
+            scheduled_time=start, online_peers=len(set(records) | {self.peer_id}),
+            group_bits=group_bits(key) if grid else "", group_size=max(2, len(members)) if grid else None)
+        return result, average, not others, key if grid else ""
 
     def _read_records(self) -> dict[str, Any]:
         """The run's signed peer records, read once per round (dht/records.py).
@@ -406,27 +454,39 @@ class Node(Startup, StateSync):
 
         return read_peer_records(self.dht, self.spec.run_id)
 
-    def _aligned_start(self, handoff: Handoff, records: dict[str, Any]) -> float | None:
-        """Progress alignment: when this round's all-reduce should begin (unix time), or None for
-        hivemind's default (now + ``--matchmaking-time``).
+    def _plan_round(self, handoff: Handoff, records: dict[str, Any]):
+        """This round's plan (``averaging/grouping.py``'s ``plan_round``: whom the round waits for and,
+        when the swarm is larger than one group, the grid group we belong to) and when its all-reduce
+        should begin (unix time), or None for hivemind's default (now + ``--matchmaking-time``).
 
-        Peers publish when they expect to hand off their phase (``phase_eta`` in their records).
-        ``averaging/grouping.py`` (Decoupled DiLoCo's minimum quorum plus a grace window, arXiv
-        2604.21428; hivemind's ``ProgressTracker`` aligns its epochs the same way) decides whom the
-        round waits for: the round begins when the last of them has handed off, plus a little slack.
-        The grace window is half a phase of ours, within [--matchmaking-time, half the averaging window].
+        Progress alignment: peers publish when they expect to hand off their phase (``phase_eta`` in
+        their records). Decoupled DiLoCo's minimum quorum plus a grace window (arXiv 2604.21428;
+        hivemind's ``ProgressTracker`` aligns its epochs the same way) decides whom the round waits
+        for: it begins when the last of them has handed off, plus a little slack. The grace window is
+        half a phase of ours, within [--matchmaking-time, half the averaging window]. A peer that has
+        not published an ETA yet counts as due now. The grid holds the peers whose records we read in the
+        last ``GRID_MEMORY_S`` seconds: a read that misses a record (a loaded machine) must not give us a
+        grid of our own.
+
+        The grid rotates with the round number (Moshpit SGD, arXiv 2103.03239), which is the median
+        outer step of the online peers' records (ours, when we are ahead): a peer one step behind the
+        swarm meets the swarm's round and catches up in it, instead of planning a grid of its own.
         """
         from diloco_swarm.averaging.grouping import plan_round
 
-        now = time.time()
-        etas = {p: max(0.0, r.phase_eta - now) for p, r in records.items() if p != self.peer_id and r.phase_eta > 0}
-        if not etas:
-            return None
+        now, seen = time.time(), time.monotonic()
+        self._grid_records = {p: (t, r) for p, (t, r) in self._grid_records.items() if seen - t < GRID_MEMORY_S}
+        self._grid_records.update((p, (seen, r)) for p, r in records.items() if p != self.peer_id)
+        others = {p: r for p, (_, r) in self._grid_records.items()}  # peers views agree on, even after a partial read
+        etas = {p: max(0.0, r.phase_eta - now) for p, r in others.items()}
         etas[self.peer_id] = 0.0
+        steps = sorted([r.outer_step for r in others.values()] + [handoff.outer_step])
+        round_no = max(handoff.outer_step, steps[len(steps) // 2])
         grace = min(self.cfg.averaging_window / 2, max(self.cfg.matchmaking_time, handoff.inner_s / 2))
-        plan = plan_round(handoff.outer_step, etas, max_group_size=self.cfg.group_size, grace_s=grace)
-        last = max((etas[p] for p in plan.expected), default=0.0)
-        return now + last + ALIGN_SLACK_S if last > 0 else None
+        plan = plan_round(round_no, etas, max_group_size=self.cfg.group_size, grace_s=grace)
+        _, members = plan.group_of(self.peer_id)
+        last = max((etas[p] for p in members), default=0.0)
+        return plan, (now + last + ALIGN_SLACK_S if last > 0 else None)
 
     def _public_peer_online(self) -> bool:
         """Whether a group can form for us: always for a full peer; a client needs a public peer."""
@@ -453,15 +513,15 @@ class Node(Startup, StateSync):
 
     def _global_digest(self) -> str:
         """Digest of θ_global, computed once per change (sha256 over every parameter is not free)."""
-        key = (self.outer_step, self.stats.state_syncs)
-        if self._digest_cache is None or self._digest_cache[0] != key:
-            self._digest_cache = (key, theta_digest(self.outer.theta))
+        version = self._theta_version
+        if self._digest_cache is None or self._digest_cache[0] != version:
+            self._digest_cache = (version, theta_digest(self.outer.theta))
         return self._digest_cache[1]
 
     def _round_metadata(self, handoff: Handoff) -> dict[str, Any]:
         """What the group's members gather from us: the θ_global we started the round from."""
         return {"outer_step": handoff.outer_step, "spec_hash": self.spec.spec_hash(),
-                "theta_digest": handoff.theta_digest}
+                "theta_digest": handoff.theta_digest, "marks": handoff.marks}
 
     def _donor_priority(self) -> float:
         """Our priority among state donors (hivemind's ``state_sharing_priority``): our outer step."""
@@ -477,10 +537,12 @@ class Node(Startup, StateSync):
         step on θ_global, or the adoption of a canonical state; then the checkpoint, evaluation and
         reports. :raises TimeoutError: the round is still running (it stays in flight)."""
         t0 = time.monotonic()
-        handoff, outcome, estimate = self.sync.take(timeout=timeout if wait else 0)
-        self.stats.averaging_s += time.monotonic() - t0  # time the training thread waited for the round
+        try:
+            handoff, outcome, estimate = self.sync.take(timeout=timeout if wait else 0)
+        finally:
+            self.stats.averaging_s += time.monotonic() - t0  # time the training thread waited for the round
         result = outcome.result
-        self.stats.count_round(result)
+        self.stats.count_round(result, mixing=outcome.mixing)
         round_step = handoff.outer_step + 1
         # Our Δ is in the swarm's θ_global if a verified average that the swarm kept included it. It may
         # be when a member kept the round while we missed a confirmation (maybe_kept): carrying it then
@@ -489,14 +551,18 @@ class Node(Startup, StateSync):
         carry = (not kept and not result.maybe_kept and not outcome.alone
                  and (handoff.carried.rounds if handoff.carried else 0) < MAX_CARRIED_ROUNDS)
         held = False
-        if outcome.state is not None:  # the members started from different θ_global: adopt the canonical one
+        if outcome.mixed is not None:  # the members started from different θ_global and mixed them
+            self._adopt_mixed(outcome.mixed, handoff, estimate)
+        elif outcome.state is not None:  # the members started from different θ_global: adopt the canonical one
             self._adopt_state(outcome.state, handoff=handoff, estimate=estimate, carry=carry)
             if not kept and not carry:
                 self.stats.wasted_inner_s += handoff.work_s  # replaced by a state that may not include it
         elif kept or not carry:
             with self._state_lock:  # a verified average, or our own Δ (alone, unconfirmed, or late too long)
+                self._remember_theta()
                 self.sync.apply(outcome.average, estimate)
                 self.outer_step += 1
+                self._theta_version += 1
             self.stats.theta_marks.append((self.outer_step, self._global_digest()))
         else:  # late: others are online but we are in no verified round; a solo step would start a lineage
             held = True
@@ -510,9 +576,9 @@ class Node(Startup, StateSync):
             self.stats.late_rounds += 1
         else:
             self.stats.tokens_total += handoff.tokens
-        self._after_round(handoff, result, round_step, during_inner_step, late=carry)
+        self._after_round(handoff, outcome, round_step, during_inner_step, late=carry)
 
-    def _after_round(self, handoff: Handoff, result, round_step: int, during_inner_step: int | None,
+    def _after_round(self, handoff: Handoff, outcome: RoundOutcome, round_step: int, during_inner_step: int | None,
                      late: bool = False) -> None:
         """Checkpoint (written on the housekeeping thread), evaluation within its time budget, the
         metrics record and the status line; DHT upkeep on the housekeeping thread."""
@@ -520,15 +586,16 @@ class Node(Startup, StateSync):
         if not self.client_mode:
             self.averager.state_sharing_priority = self._donor_priority()
         self._evaluate(force=0 < self.cfg.max_outer_steps <= self.outer_step)
-        self.metrics.write({**self._round_record(handoff, result, round_step),
+        self.metrics.write({**self._round_record(handoff, outcome, round_step),
                             "applied_at_inner_step": during_inner_step, "late": late})
         self._housekeeping.submit(self._dht_upkeep)
         self._status(force=True)
-        for peer, why in result.rejected_peers.items():
+        for peer, why in outcome.result.rejected_peers.items():
             self.status.log(f"outer step {self.outer_step}: peer {peer} was refused: {why}")
 
-    def _round_record(self, handoff: Handoff, result, round_step: int) -> dict[str, Any]:
+    def _round_record(self, handoff: Handoff, outcome: RoundOutcome, round_step: int) -> dict[str, Any]:
         """The ``outer_step`` metrics record (docs/metrics.md)."""
+        result, mixing = outcome.result, outcome.mixing
         return {
             "event": "outer_step",
             "outer_step": round_step,
@@ -543,15 +610,19 @@ class Node(Startup, StateSync):
             "eval_outer_step": self.stats.eval_outer_step,
             "tokens": handoff.tokens,
             "inner_steps": handoff.inner_steps,
-            "bytes_sent": result.bytes_sent,
-            "bytes_received": result.bytes_received,
-            "averaging_s": round(result.seconds, 4),
+            "bytes_sent": result.bytes_sent + (mixing.bytes_sent if mixing else 0),
+            "bytes_received": result.bytes_received + (mixing.bytes_received if mixing else 0),
+            "averaging_s": round(result.seconds + (mixing.seconds if mixing else 0.0), 4),
             "round_wall_s": round(time.monotonic() - handoff.started, 4),
             "compression": self.spec.compression,
             "round_ok": result.ok,
             "reason": result.reason,
             "rejected_peers": result.rejected_peers,
             "digest_confirmed_by": result.agreed_peers,
+            "group_key": outcome.group_key or None,
+            "mixed": outcome.mixed is not None,
+            "mix_reference_step": outcome.mixed.reference_step if outcome.mixed else None,
+            "mix_reason": mixing.reason if mixing and not mixing.ok else None,
             "reachability": self.reachability,
             "theta_digest": self._global_digest(),
             **self.stats.totals(),

@@ -292,12 +292,14 @@ class StateSync:
         n = len(self.outer.theta)
         with self._state_lock:
             before = self.outer_step
+            self._remember_theta()
             if handoff is None:
                 self.outer.load_theta_and_momentum(state.tensors[:n], state.tensors[n:])
                 self.outer.copy_to(self.params)
             else:
                 self.sync.adopt(state.tensors[:n], state.tensors[n:], handoff.delta, estimate, carry=carry)
             self.outer_step = state.meta["outer_step"]
+            self._theta_version += 1
         self.stats.theta_marks.append((self.outer_step, state.meta["theta_digest"]))
         self.stats.state_syncs += 1
         self.stats.sync_s += state.seconds

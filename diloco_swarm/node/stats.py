@@ -31,6 +31,7 @@ class NodeStats:
     solo_rounds: int = 0  # no group formed
     late_rounds: int = 0  # no verified group while others were online: θ_global kept, Δ carried into the next round
     state_syncs: int = 0
+    mixed_rounds: int = 0  # rounds whose members held different θ_global and mixed them (node/mixing.py)
     bytes_sent: int = 0
     bytes_received: int = 0
     tokens_total: int = 0
@@ -54,14 +55,15 @@ class NodeStats:
         total = self.wall_s()
         return min(1.0, max(0.0, (self.inner_s - self.wasted_inner_s) / total)) if total > 0 else 0.0
 
-    def count_round(self, result) -> None:
-        """Account one applied round (``averaging.averager.RoundResult``)."""
+    def count_round(self, result, mixing=None) -> None:
+        """Account one applied round (``averaging.averager.RoundResult``) and its θ-mixing round, if any."""
         if not result.ok and result.group_size >= 2:
             self.failed_rounds += 1
         elif result.group_size < 2:
             self.solo_rounds += 1
-        self.bytes_sent += result.bytes_sent
-        self.bytes_received += result.bytes_received
+        for part in (result, mixing) if mixing is not None else (result,):
+            self.bytes_sent += part.bytes_sent
+            self.bytes_received += part.bytes_received
         self.last_round = {"group_size": result.group_size, "bytes_sent": result.bytes_sent,
                            "averaging_s": result.seconds, "round_ok": result.ok, "reason": result.reason}
 
@@ -73,6 +75,7 @@ class NodeStats:
             "solo_rounds": self.solo_rounds,
             "late_rounds": self.late_rounds,
             "state_syncs": self.state_syncs,
+            "mixed_rounds": self.mixed_rounds,
             "inner_s": round(self.inner_s, 3),
             "wasted_inner_s": round(self.wasted_inner_s, 3),
             "averaging_total_s": round(self.averaging_s, 3),
