@@ -42,7 +42,9 @@ def test_a_lone_node_never_waits_for_a_group(tmp_path):
 
 @pytest.mark.timeout(420)
 def test_two_nodes_overlap_rounds_agree_and_survive_a_crash_mid_round(tmp_path):
-    with Swarm(tmp_path, "overlap2", extra=["--wait-for-peers", "2"]) as swarm:
+    # H = 100: a phase can outlast a round (3 s of matchmaking) before it reaches DyLU's 2H, where it
+    # would wait for the round (10 tiny steps take a fraction of a second)
+    with Swarm(tmp_path, "overlap2", extra=["--wait-for-peers", "2", "--inner-steps", "100"]) as swarm:
         a = swarm.start("a", timeout=START_S)
         b = swarm.start("b", initial=a, timeout=START_S)
         swarm.wait(lambda: sum(r["round_ok"] for r in a.outer_steps()) >= 3, 180, "3 verified rounds on a", a)
