@@ -402,7 +402,13 @@ class Node(Startup, StateSync, Mixing):
             return RoundOutcome(RoundResult(ok=False, group_size=1, reason=f"round failed: {e!r}"[:200]),
                                 [d.clone() for d in handoff.delta])
         outcome = RoundOutcome(result, average, alone=alone, group_key=group_key)
-        if not result.gathered or control.stop.is_set():
+        if control.stop.is_set() or alone:
+            return outcome
+        if not result.gathered:  # no group: if the others are far ahead, our next round could never meet theirs
+            try:
+                outcome.state = self._catch_up(handoff.outer_step)
+            except Exception as e:  # the DHT or averager did not answer: the next round tries again
+                self.status.log(f"could not compare our outer step with the swarm's: {e}")
             return outcome
         mine = (handoff.outer_step, handoff.theta_digest)
         if result.ok:  # members that started from different θ_global mix them (node/mixing.py)
@@ -444,7 +450,7 @@ class Node(Startup, StateSync, Mixing):
             self._contribution(handoff.delta), weight=max(handoff.tokens, 1), metadata=self._round_metadata(handoff),
             timeout=self.cfg.averaging_window, stop=control.stop, give_up=control.give_up, digest_wait=DIGEST_WAIT_S,
             scheduled_time=start, online_peers=len(set(records) | {self.peer_id}),
-            group_bits=group_bits(key) if grid else "", group_size=max(2, len(members)) if grid else None)
+            group_bits=group_bits(key) if grid else "", group_size=max(2, len(members)))
         return result, average, not others, key if grid else ""
 
     def _read_records(self) -> dict[str, Any]:
@@ -456,8 +462,8 @@ class Node(Startup, StateSync, Mixing):
 
     def _plan_round(self, handoff: Handoff, records: dict[str, Any]):
         """This round's plan (``averaging/grouping.py``'s ``plan_round``: whom the round waits for and,
-        when the swarm is larger than one group, the grid group we belong to) and when its all-reduce
-        should begin (unix time), or None for hivemind's default (now + ``--matchmaking-time``).
+        when the swarm is larger than one group, the grid group we belong to) and the latest time its
+        all-reduce should begin (unix time; it begins earlier once every expected member is in).
 
         Progress alignment: peers publish when they expect to hand off their phase (``phase_eta`` in
         their records). Decoupled DiLoCo's minimum quorum plus a grace window (arXiv 2604.21428;
@@ -486,7 +492,9 @@ class Node(Startup, StateSync, Mixing):
         plan = plan_round(round_no, etas, max_group_size=self.cfg.group_size, grace_s=grace)
         _, members = plan.group_of(self.peer_id)
         last = max((etas[p] for p in members), default=0.0)
-        return plan, (now + last + ALIGN_SLACK_S if last > 0 else None)
+        # the leader starts as soon as all of them are in (hivemind's target size): the matchmaking time
+        # on top only gives the slower of them (a loaded machine reads the DHT slowly) time to find it
+        return plan, now + last + ALIGN_SLACK_S + self.cfg.matchmaking_time
 
     def _public_peer_online(self) -> bool:
         """Whether a group can form for us: always for a full peer; a client needs a public peer."""

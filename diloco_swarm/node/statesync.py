@@ -224,7 +224,14 @@ class StateSync:
                 if state is not None:
                     state.includes_round = True
                 return state
-        if newest > mine[0] + 1:  # the swarm is ahead of us (of our whole group, maybe)
+        return self._catch_up(mine[0], evidence)
+
+    def _catch_up(self, step: int, evidence: Evidence | None = None) -> "DownloadedState | None":
+        """The newest state the swarm's records back, downloaded, when it is more than one outer step
+        ahead of ``step`` (a lagging peer: its whole group, or its lone round, fell behind), else None."""
+        evidence = evidence or self._evidence()
+        newest = evidence.supported_step
+        if newest > step + 1:
             return self._download_state(min_step=newest, reason="lagging", candidates=evidence.donors_at(newest))
         return None
 
