@@ -10,8 +10,8 @@ The rule, for round ``t`` (the outer step the peers are finishing):
    peers (by ETA order, at least one) plus ``grace_s``: ``deadline = ETA of the ceil(quorum·n)-th
    peer + grace_s``. Peers with ``ETA ≤ deadline`` are *expected*; the others are *late*: they
    fold their Δ into the next round (token-weighted) instead of forming a group of their own.
-2. **Everyone, when the swarm fits**: ``n_expected ≤ max_group_size`` gives one group of all
-   expected peers (key ``"r{t}:all"``).
+2. **Everyone, when the swarm fits**: when the coming peers (expected and late) number at most
+   ``max_group_size``, one group of all expected peers (key ``"r{t}:all"``).
 3. **A rotating grid beyond the cap** (Moshpit SGD, Ryabinin et al., arXiv 2103.03239): the
    coming peers (late ones too, so that slightly different views of the ETAs give the same grid;
    they are then left out of their group), ranked by sha256 of their peer id, sit on a ``d``-dimensional grid of side

@@ -95,7 +95,8 @@ class Mixing:
         plan = plan_mix(result.gathered)
         if plan is None or self.peer_id not in plan.weights:
             return None, None
-        if plan.outer_step - 1 > self._evidence().supported_step:
+        ahead = plan.outer_step - 1  # the round's step: ours, unless we are behind its members
+        if ahead > current[0] and ahead > self._evidence().supported_step:
             return None, None  # a member claims a step the swarm's signed records do not back (node/statesync.py)
         with self._state_lock:  # θ_global stays as it is while our round is in flight: a consistent read
             reference = self.outer.theta if plan.reference == current else self.history.get(plan.reference)
