@@ -340,7 +340,7 @@ def test_faulty_averagers_speak_the_honest_protocol():
     from diloco_swarm.node import faults
 
     honest = PseudoGradientAverager._get_handle_name("run", "rpc_join_group")
-    for make in (faults._nonfinite_scales_averager, faults._dropping_averager,
+    for make in (faults._nonfinite_scales_averager, faults._dropping_averager, faults._lonely_averager,
                  lambda: faults._stalling_averager(Path("/nonexistent")),
                  lambda: faults._withholding_averager(Path("/nonexistent"))):
         cls = make()

@@ -64,7 +64,7 @@ def reach_phase(swarm: ChurnSwarm, target: NodeProc, partner: NodeProc, phase: s
     elif phase == MATCHMAKING:
         swarm.wait_alive(lambda: new("averaging_start"), 2 * ROUND_S, "the target enters matchmaking",
                          (target, partner), poll=0.05)
-        time.sleep(0.3)  # a group forms after --matchmaking-time (3 s) at the earliest
+        time.sleep(0.3)  # the matchmaking cells run --fault lonely: no group ever forms
     elif phase == ALLREDUCE:
         marker = target.state_dir / "allreduce-stalled"
         swarm.wait_alive(marker.exists, 2 * ROUND_S, "the target hangs inside an all-reduce", (target, partner))
@@ -79,7 +79,9 @@ def test_every_signal_in_every_phase_stops_within_20s_with_the_checkpoint_intact
     # Blocking sync mode: the phases follow each other there. Overlapped, a node trains while its round
     # runs; its stops are those of the inner phase and of the round together (tests/test_overlap.py).
     with ChurnSwarm(tmp_path, "stops", extra=["--sync-mode", "blocking"]) as swarm:
-        # The partner trains on bigger batches: the target reaches matchmaking first and waits there.
+        # The partner trains on bigger batches. In the matchmaking cells the target looks for its group
+        # under a key nobody else uses (--fault lonely): a group that starts as soon as both are in
+        # would otherwise leave no moment in which it still looks.
         partner = swarm.start("partner", "--batch-size", "16", timeout=START_S)
         target = None
         timings = []
@@ -90,7 +92,8 @@ def test_every_signal_in_every_phase_stops_within_20s_with_the_checkpoint_intact
                 (partner.state_dir / "digest-withheld").unlink(missing_ok=True)
                 swarm.start("partner", "--batch-size", "16", "--fault", "withhold-digest", *NO_START_BARRIER,
                             timeout=START_S)
-            args = {INNER: ["--batch-size", "96"], ALLREDUCE: ["--fault", "stall-allreduce"]}.get(phase, [])
+            args = {INNER: ["--batch-size", "96"], MATCHMAKING: ["--fault", "lonely"],
+                    ALLREDUCE: ["--fault", "stall-allreduce"]}.get(phase, [])
             (tmp_path / "target" / "allreduce-stalled").unlink(missing_ok=True)
             (partner.state_dir / "digest-withheld").unlink(missing_ok=True)
             resumed = checkpoint_step(target, missing=0) if target is not None else 0
@@ -130,7 +133,7 @@ def test_every_signal_in_every_phase_stops_within_20s_with_the_checkpoint_intact
 
         # A second signal in quick succession quits at once (exit 130, or killed by it while exiting).
         n0 = len(target.events())
-        target = swarm.start("target", "--initial-peers", last_maddr(partner), *NO_START_BARRIER,
+        target = swarm.start("target", "--initial-peers", last_maddr(partner), *NO_START_BARRIER, "--fault", "lonely",
                              timeout=START_S, session=True)
         reach_phase(swarm, target, partner, MATCHMAKING, n0)
         t0 = time.monotonic()

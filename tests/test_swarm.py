@@ -19,8 +19,9 @@ SPREAD_BOUND = 0.03  # most the final held-out losses of mixing pairs may spread
 
 @pytest.mark.timeout(420)  # 3 nodes plus a `status` run; slow on a busy 2-core machine
 def test_three_peers_train_average_and_agree(tmp_path):
-    # 8 outer steps: the nodes must still be up when the `status` call below reaches them on a busy machine
-    with Swarm(tmp_path, "swarm3", extra=["--max-outer-steps", "8", "--wait-for-peers", "3"]) as swarm:
+    # 16 outer steps: the nodes must still be up when the `status` call below reaches them on a busy
+    # machine (it starts a DHT of its own, ~20 s; with phases of at most 2H, 8 steps were not enough)
+    with Swarm(tmp_path, "swarm3", extra=["--max-outer-steps", "16", "--wait-for-peers", "3"]) as swarm:
         a = swarm.start("a")
         b = swarm.start("b", initial=a, wait_start=False)
         c = swarm.start("c", initial=a, wait_start=False)

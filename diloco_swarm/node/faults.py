@@ -13,6 +13,8 @@ all-reduce, and torchft's ``EventInjector`` injects failures from outside).
   digest cross-check), and touches ``state_dir/digest-withheld`` when it starts withholding.
 - ``drop-part``: as a reducer, this peer refuses every other member's part (a hostile leader or
   reducer that drops honest members' contributions).
+- ``lonely``: this peer looks for its groups under a key no other peer uses, so it waits in
+  matchmaking for the whole averaging window (a test can stop it there at any moment).
 - ``claim-ahead``: this peer claims an outer step 1000 ahead of its own everywhere others read it
   (round metadata, state donation, its signed record and donor priority), with its real θ_global:
   a forged "newest state" that would make the others download its model.
@@ -31,7 +33,7 @@ import torch
 
 from diloco_swarm.node.runner import Node
 
-FAULTS = ("nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part")
+FAULTS = ("nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part", "lonely")
 HUGE_FACTOR = 1e6
 CLAIM_AHEAD_STEPS = 1000
 STALL_MARKER_NAME = "allreduce-stalled"
@@ -52,7 +54,7 @@ def node_type(fault: str, slowdown: float = 1.0) -> type[Node]:
     bases += {"": [], "nan": [NonFiniteScalesNode], "huge": [HugeContributionNode],
               "stall-allreduce": [StallingNode], "claim-ahead": [ClaimAheadNode],
               "withhold-digest": [WithholdingNode],
-              "drop-part": [DroppingNode]}[fault]
+              "drop-part": [DroppingNode], "lonely": [LonelyNode]}[fault]
     return type("FaultyNode", (*bases, Node), {}) if bases else Node
 
 
@@ -99,6 +101,11 @@ class WithholdingNode(Node):
 class DroppingNode(Node):
     def _averager_type(self) -> type:
         return _dropping_averager()
+
+
+class LonelyNode(Node):
+    def _averager_type(self) -> type:
+        return _lonely_averager()
 
 
 class NonFiniteScalesNode(Node):
@@ -171,6 +178,17 @@ def _dropping_averager() -> type:
         allreduce_runner_type = DroppingAllReduceRunner
 
     return _on_the_wire_as(DroppingAverager, PseudoGradientAverager)
+
+
+def _lonely_averager() -> type:
+    from diloco_swarm.averaging.averager import PseudoGradientAverager
+
+    class LonelyAverager(PseudoGradientAverager):
+        def _round_settings(self, step):
+            _, target, online = super()._round_settings(step)
+            return "1" * 64, target, online  # no honest peer's key: nobody to meet
+
+    return _on_the_wire_as(LonelyAverager, PseudoGradientAverager)
 
 
 def _withholding_averager(marker: Path) -> type:
