@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 MAX_MARKS = 8  # (outer step, θ digest) pairs a member may list in its gathered metadata
 DOWNLOAD_BYTES_PER_VALUE = 8  # a state download: θ_global + outer momentum, fp32
@@ -110,9 +110,8 @@ def plan_mix(gathered: Mapping[str, Any]) -> MixPlan | None:
         members[str(peer)] = parsed
     if len(members) < 2:
         return None
-    steps = sorted((start[0] for start, _ in members.values()), reverse=True)
-    round_step = steps[(len(steps) + 1) // 2 - 1]
-    current = {p for p, (start, _) in members.items() if start[0] >= round_step}
+    step = round_step(start[0] for start, _ in members.values())
+    current = {p for p, (start, _) in members.items() if start[0] >= step}
     lineages = {members[p][0][1] for p in current}  # digests: one θ_global claimed at two steps is one
     behind = len(members) - len(current)
     if len(lineages) == 1 and not _mix_is_cheaper(behind, len(members)):
@@ -122,7 +121,21 @@ def plan_mix(gathered: Mapping[str, Any]) -> MixPlan | None:
         return None
     reference = max(common)
     return MixPlan(reference=reference, weights={p: float(p in current) for p in sorted(members)},
-                   outer_step=round_step + 1)
+                   outer_step=step + 1)
+
+
+def round_step(start_steps: Iterable[int]) -> int:
+    """The outer step a round's members are at: the newest start step that half of them (rounded up)
+    reached. Every member computes it from the same gathered metadata. In a group of three or more,
+    one member ahead of the others (a forged claim, or a round it applied alone) does not move it; in
+    a pair it is the member ahead.
+
+    :raises ValueError: no steps.
+    """
+    steps = sorted(start_steps, reverse=True)
+    if not steps:
+        raise ValueError("a round has members")
+    return steps[(len(steps) + 1) // 2 - 1]
 
 
 def _mix_is_cheaper(behind: int, group: int) -> bool:

@@ -1,0 +1,70 @@
+"""The canonical state after a round whose members started from different θ_global
+(``node/statesync.py: canonical_state``): every member, each with its own view of the swarm's
+signed records, must choose the same one, or the group keeps verifying rounds while its members
+stay on separate lineages."""
+
+from __future__ import annotations
+
+import hashlib
+from types import SimpleNamespace
+
+from diloco_swarm.node.statesync import canonical_state, gather_evidence
+
+
+def d(label: str) -> str:
+    return hashlib.sha256(label.encode()).hexdigest()[:16]
+
+
+def record(peer: str, step: int, marks: list[tuple[int, str]]):
+    """A verified record entry as ``read_peer_entries`` returns it (owner key = the peer's name)."""
+    rec = SimpleNamespace(peer_id=peer, outer_step=step,
+                          theta_marks=[SimpleNamespace(step=s, digest=g) for s, g in marks])
+    return SimpleNamespace(owner=f"key-{peer}", record=rec)
+
+
+def choices(states: dict[str, tuple[int, str]], marks: dict[str, list[tuple[int, str]]],
+            clients: frozenset[str] = frozenset()) -> dict[str, tuple[int, str]]:
+    """Each member's canonical state, each from its own evidence (records of every peer, itself as ``me``)."""
+    entries = [record(p, states[p][0], marks[p]) for p in states]
+    donors = {p for p in states if p not in clients}
+    return {me: canonical_state(states, me, gather_evidence(entries, me, states[me][0], marks[me]), donors,
+                                can_donate=me not in clients)
+            for me in states}
+
+
+def test_a_member_alone_ahead_follows_the_others_and_they_all_agree():
+    # "a" applied a round alone (its group's digest went unconfirmed): one step ahead of everyone, on
+    # a lineage of its own. Each member trusts its own state, so without a shared cap "a" kept its own
+    # and the others theirs, forever (the chaos test: 600 verified rounds of 4 on 2+ lineages).
+    x, y = d("x"), d("y")
+    states = {"a": (47, d("a-solo")), "b": (46, x), "c": (46, x), "d": (45, y)}
+    marks = {"a": [(45, y), (46, x), (47, d("a-solo"))], "b": [(45, y), (46, x)], "c": [(45, y), (46, x)],
+             "d": [(44, d("w")), (45, y)]}
+    chosen = choices(states, marks)
+    assert set(chosen.values()) == {(46, x)}, chosen
+
+
+def test_in_a_pair_the_member_ahead_leads():
+    states = {"a": (10, d("a")), "b": (9, d("b"))}
+    marks = {"a": [(9, d("b")), (10, d("a"))], "b": [(9, d("b"))]}
+    assert set(choices(states, marks).values()) == {(10, d("a"))}
+
+
+def test_one_member_claiming_far_ahead_is_not_followed():
+    honest = d("honest")
+    states = {"a": (12, honest), "b": (12, honest), "h": (1012, d("forged"))}
+    marks = {"a": [(12, honest)], "b": [(12, honest)], "h": [(1012, d("forged"))]}
+    assert set(choices(states, marks).values()) == {(12, honest)}
+
+
+def test_two_lineages_at_one_step_resolve_the_same_way_for_every_member():
+    states = {"a": (20, d("p")), "b": (20, d("p")), "c": (20, d("q")), "e": (20, d("q"))}
+    marks = {p: [(19, d("r")), s] for p, s in states.items()}
+    assert len(set(choices(states, marks).values())) == 1
+
+
+def test_a_state_only_a_client_holds_is_not_canonical():
+    # a client cannot donate its state: the newest state is then one a public member holds
+    states = {"a": (8, d("a")), "b": (8, d("a")), "c": (9, d("client"))}
+    marks = {"a": [(8, d("a"))], "b": [(8, d("a"))], "c": [(9, d("client"))]}
+    assert set(choices(states, marks, clients=frozenset({"c"})).values()) == {(8, d("a"))}
