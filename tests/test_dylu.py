@@ -1,6 +1,8 @@
 """The first phase of a peer that has not timed an inner step yet: planned H, then re-planned from
-its first timed steps and the swarm's records (Node._replan_first_phase, node/runner.py)."""
+its first timed steps and the swarm's records (Node._replan_first_phase, node/runner.py); and which
+peers' ETAs a round waits for (node/runner.py: seconds_to_handoff)."""
 
+import math
 import time
 from types import SimpleNamespace
 
@@ -29,3 +31,32 @@ def test_without_a_hand_off_ahead_it_scales_h_by_speed_and_never_undoes_steps():
     assert peer(swarm_step_s=1.0)._replan_first_phase(steps=10, inner_s=1.0) == 200  # faster: capped at 2H
     assert peer()._replan_first_phase(steps=10, inner_s=1.0) == 100  # nothing known: H
     assert peer(swarm_eta=time.time() + 0.5)._replan_first_phase(steps=5, inner_s=0.5) == 25  # ≥ H/4
+
+
+def test_a_running_swarm_waits_neither_for_a_starting_peer_nor_for_one_that_crashed():
+    from diloco_swarm.averaging.grouping import plan_round
+    from diloco_swarm.node.runner import seconds_to_handoff
+
+    now, quiet = 1000.0, dict(silent_s=1.0, max_silent_s=10.0)
+    assert seconds_to_handoff(0.0, now, **quiet) == math.inf  # starting up: not waited for...
+    assert seconds_to_handoff(0.0, now, first_round=True, **quiet) == 0.0  # ...but in our own first round
+    assert seconds_to_handoff(now - 2.0, now, **quiet) == -2.0  # handed off: in matchmaking now
+    assert seconds_to_handoff(now - 20.0, now, **quiet) == -20.0  # alive (its record changes): in a long round
+    assert seconds_to_handoff(now + 3.0, now, **quiet) == 3.0
+    assert seconds_to_handoff(now + 3.0, now, silent_s=12.0, max_silent_s=10.0) == math.inf  # crashed
+    etas = {"me": 0.0, "b": seconds_to_handoff(now - 1.0, now, **quiet), "starting": seconds_to_handoff(0.0, now, **quiet),
+            "gone": seconds_to_handoff(now + 1.0, now, silent_s=30.0, max_silent_s=10.0)}
+    plan = plan_round(5, etas, grace_s=3.0)
+    assert plan.group_of("me")[1] == ("b", "me")  # the round's group: it starts once both are in
+
+
+def test_a_record_that_stops_changing_counts_as_silent_from_the_first_read_of_it():
+    p = Node.__new__(Node)
+    p._heard, p.swarm_inner_step_s, p.swarm_phase_eta, p.peer_id = {}, None, None, "me"
+    rec = lambda updated: SimpleNamespace(updated=updated, inner_step_s=0.1, phase_eta=0.0)  # noqa: E731
+    p._note_swarm({"a": rec(5.0), "b": rec(7.0)})
+    t_first = p._heard["a"][1]
+    p._note_swarm({"a": rec(5.0), "b": rec(8.0)})  # a: the same record (silent); b: re-signed
+    assert p._heard["a"][1] == t_first and p._heard["b"][0] == 8.0
+    p._note_swarm({"b": rec(9.0)})  # a's record expired from the DHT: still silent since the first read
+    assert p._heard["a"][1] == t_first and p._silent_s("a", t_first + 12.0) == 12.0

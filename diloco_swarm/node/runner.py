@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -54,7 +55,28 @@ ALIGN_SLACK_S = 1.0  # a round waits this long past the last expected member's h
 SWARM_REFRESH_S = 5.0  # a phase planned before we knew our speed re-reads the swarm's records this often
 MAX_CARRIED_ROUNDS = 2  # a peer late this many rounds in a row applies its carried Δ alone (bounded staleness)
 GRID_DIMS_GUESS = 3  # with --target-group-size set, keep mixing references for a grid this deep until one is planned
+SILENT_RECORDS = 2  # a peer whose record missed this many re-signing periods (as we read it) crashed
 GRID_MEMORY_S = 20.0  # a peer whose record a read missed stays in the round's grid this long (a partial read under load)
+HEARD_MEMORY_S = 120.0  # how long we remember when a peer's record last changed
+
+
+def seconds_to_handoff(phase_eta: float, now: float, *, silent_s: float, max_silent_s: float,
+                       first_round: bool = False) -> float:
+    """A peer's ETA for ``grouping.plan_round`` from its record: seconds until it hands off its phase
+    (``phase_eta``, unix s; ≤ 0: it has), or ``inf``, not coming this round:
+
+    - it is starting up (``phase_eta`` 0: no inner phase yet), unless ``first_round`` (our own first
+      round since we started): peers that start together (``--wait-for-peers``) then meet in one
+      group, while a running swarm does not wait for a restarted peer's imports and state download;
+    - its record has not changed for ``silent_s`` > ``max_silent_s`` seconds, as we saw it (our clock,
+      not the peer's): a live peer re-signs it every few seconds (dht/records.py), so it crashed, and
+      its record outlives it by the DHT's TTL.
+
+    A round that counted such a peer as due waited out its whole alignment slack, every round, for a
+    member that could not come (``bench.churn``: the survivors' rounds took 4 s instead of 0.3–0.6 s)."""
+    if (phase_eta <= 0.0 and not first_round) or silent_s > max_silent_s:
+        return math.inf
+    return phase_eta - now if phase_eta > 0.0 else 0.0
 
 
 class StopFlag:
@@ -127,6 +149,7 @@ class Node(Startup, StateSync, Mixing):
         # earlier θ_global states: θ-mixing references (node/mixing.py); a set group size plans a grid from the start
         self._history_floor = history_length(GRID_DIMS_GUESS) if config.target_group_size else 1
         self._grid_records: dict[str, tuple[float, Any]] = {}  # peer id -> (time.monotonic() seen, its record)
+        self._heard: dict[str, tuple[float, float]] = {}  # peer id -> (its record's `updated`, time.monotonic() we first read it)
         self.history = ThetaHistory(self._history_floor)
         self._last_eval_s = 0.0  # seconds the last held-out evaluation took (prices the next one)
         self._carried: Carried | None = None  # late rounds whose Δ θ_local still holds (outer_sync.hold)
@@ -272,11 +295,14 @@ class Node(Startup, StateSync, Mixing):
         phase_index = max(self.outer_step + int(self.sync.in_flight), self._last_phase_index + 1)
         self._last_phase_index = phase_index
         # when we expect to hand this phase off: a round's leader waits for peers about to arrive
-        # (the record publisher sends it within its 5 s period: no extra DHT store per phase)
-        self.stats.phase_eta = time.time() + target * self.stats.inner_step_s if self.stats.inner_step_s else 0.0
+        # (the record publisher sends it within its 5 s period: no extra DHT store per phase). Not timed
+        # yet: "due now", published at once (0 says "starting up"), re-planned from the first steps
+        self.stats.phase_eta = time.time() + target * (self.stats.inner_step_s or 0.0)
         self.model.train()
         losses, tokens, steps = [], 0, 0
         t_last, t_refresh = time.monotonic(), float("-inf")  # (an unmeasured phase reads the swarm at its first tick)
+        if not measured:
+            self._housekeeping.submit(self.records.publish_now)  # "training now": a running swarm waits for us
         inner_before, tokens_window = self.stats.inner_s, 0
         for i, (x, y) in enumerate(self.sampler.batches_for_outer_step(phase_index, MAX_PHASE_BATCHES)):
             if self.stop.requested:
@@ -469,8 +495,8 @@ class Node(Startup, StateSync, Mixing):
         their records). Decoupled DiLoCo's minimum quorum plus a grace window (arXiv 2604.21428;
         hivemind's ``ProgressTracker`` aligns its epochs the same way) decides whom the round waits
         for: it begins when the last of them has handed off, plus a little slack. The grace window is
-        half a phase of ours, within [--matchmaking-time, half the averaging window]. A peer that has
-        not published an ETA yet counts as due now. The grid holds the peers whose records we read in the
+        half a phase of ours, within [--matchmaking-time, half the averaging window]. A peer still
+        starting up, or one that crashed, is not waited for (:func:`seconds_to_handoff`). The grid holds the peers whose records we read in the
         last ``GRID_MEMORY_S`` seconds: a read that misses a record (a loaded machine) must not give us a
         grid of our own.
 
@@ -484,11 +510,13 @@ class Node(Startup, StateSync, Mixing):
         self._grid_records = {p: (t, r) for p, (t, r) in self._grid_records.items() if seen - t < GRID_MEMORY_S}
         self._grid_records.update((p, (seen, r)) for p, r in records.items() if p != self.peer_id)
         others = {p: r for p, (_, r) in self._grid_records.items()}  # peers views agree on, even after a partial read
-        etas = {p: max(0.0, r.phase_eta - now) for p, r in others.items()}
+        grace = min(self.cfg.averaging_window / 2, max(self.cfg.matchmaking_time, handoff.inner_s / 2))
+        first, max_silent = self.stats.last_round is None, SILENT_RECORDS * self.records.interval_s
+        etas = {p: seconds_to_handoff(r.phase_eta, now, silent_s=self._silent_s(p, seen), max_silent_s=max_silent,
+                                      first_round=first) for p, r in others.items()}
         etas[self.peer_id] = 0.0
         steps = sorted([r.outer_step for r in others.values()] + [handoff.outer_step])
         round_no = max(handoff.outer_step, steps[len(steps) // 2])
-        grace = min(self.cfg.averaging_window / 2, max(self.cfg.matchmaking_time, handoff.inner_s / 2))
         plan = plan_round(round_no, etas, max_group_size=self.cfg.group_size, grace_s=grace)
         _, members = plan.group_of(self.peer_id)
         last = max((etas[p] for p in members), default=0.0)
@@ -688,10 +716,20 @@ class Node(Startup, StateSync, Mixing):
             self._note_swarm(records)
             self._remember_peers(records)
 
+    def _silent_s(self, peer: str, now: float) -> float:
+        """Seconds (``time.monotonic``) since we first read the record of ``peer`` that we read last."""
+        heard = self._heard.get(peer)
+        return now - heard[1] if heard is not None else 0.0
+
     def _note_swarm(self, records: dict[str, Any]) -> None:
-        """From the peers' records: the online peers' median seconds per inner step (DyLU) and the
-        other peers' median hand-off time (unix s). Called on the housekeeping and averaging threads
-        (each attribute is replaced whole)."""
+        """From the peers' records: the online peers' median seconds per inner step (DyLU), the
+        other peers' median hand-off time (unix s), and since when each record is unchanged (a crashed
+        peer's). Called on the housekeeping and averaging threads (each attribute is replaced whole)."""
+        now = time.monotonic()
+        heard = {p: h for p, h in self._heard.items() if now - h[1] < HEARD_MEMORY_S}  # a record gone from this read stays silent
+        heard.update((p, heard[p] if p in heard and heard[p][0] == r.updated else (r.updated, now))
+                     for p, r in records.items())
+        self._heard = heard
         speeds = sorted(r.inner_step_s for r in records.values() if r.inner_step_s > 0)
         self.swarm_inner_step_s = speeds[len(speeds) // 2] if speeds else None
         etas = sorted(r.phase_eta for p, r in records.items() if p != self.peer_id and r.phase_eta > 0)

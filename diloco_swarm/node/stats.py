@@ -40,7 +40,7 @@ class NodeStats:
     eval_outer_step: int = 0
     tokens_per_s: float | None = None  # tokens / inner seconds of the last phase
     inner_step_s: float | None = None  # seconds per inner step in the last phase (DyLU)
-    phase_eta: float = 0.0  # unix time at which the current phase should end (0 = unknown)
+    phase_eta: float = 0.0  # unix time at which the current phase should end (0 = not training yet)
     peers_seen: int = 1
     last_round: dict[str, Any] | None = None
     live: dict[str, Any] = field(default_factory=dict)  # the running phase: inner_step, phase_steps, loss, tokens_per_s
