@@ -50,6 +50,7 @@ GRACE_S = 120.0
 LINK_BYTES_PER_S = 100e6 / 8  # 100 Mbit/s
 BLOCKSIZE = 1024
 DIM = 64
+SETTLE_ROUNDS = 4  # rounds without new Δ after the run: the spread the groups' mixing leaves
 SIZES = {
     "quick": {"configs": [(64, 64), (256, 64), (1024, 64)], "rounds": 12},
     "full": {"configs": [(64, 64), (256, 64), (1024, 64), (1024, 16)], "rounds": 40},
@@ -63,7 +64,10 @@ def int8_allreduce_bytes(group_size: int, params: int = PARAMS) -> float:
     return 2 * params * (group_size - 1) / group_size * (1 + 4 / BLOCKSIZE)
 
 
-def simulate(n_peers: int, cap: int, rounds: int, churn_per_hour: float = 0.1, seed: int = 0) -> dict[str, Any]:
+def simulate(n_peers: int, cap: int, rounds: int, churn_per_hour: float = 0.1, seed: int = 0,
+             settle_rounds: int = 0) -> dict[str, Any]:
+    """``rounds`` rounds of training with churn, then ``settle_rounds`` rounds with no new Δ and no churn,
+    every peer on time (the ``settle`` records): how fast the groups' mixing removes the θ spread."""
     rng = np.random.default_rng(seed)
     next_id = 0
     theta: dict[str, np.ndarray] = {}
@@ -88,14 +92,18 @@ def simulate(n_peers: int, cap: int, rounds: int, churn_per_hour: float = 0.1, s
     clock = 0.0
     per_round = []
     joins = leaves = 0
-    for t in range(rounds):
+    for t in range(rounds + settle_rounds):
+        settle = t >= rounds
         online = sorted(theta)
+        if settle:  # nobody trains: everyone is due at once, and Δ stays 0
+            for p in online:
+                remaining[p], tokens[p], delta[p] = 0.0, 0.0, np.zeros(DIM)
         plan = plan_round(t, {p: remaining[p] for p in online}, max_group_size=cap, quorum=QUORUM, grace_s=GRACE_S)
         largest = max((len(m) for m in plan.groups.values()), default=1)
         duration = plan.deadline_s + int8_allreduce_bytes(largest) / LINK_BYTES_PER_S
         # everyone trains for the round's duration (the expected peers exactly to the end of their phase)
         g = rng.standard_normal(DIM)
-        for p in online:
+        for p in online if not settle else ():
             work = min(remaining[p], duration) if p in plan.expected else duration
             done = work * speed[p]  # tokens, in seconds of a median-speed peer
             tokens[p] += done
@@ -119,13 +127,13 @@ def simulate(n_peers: int, cap: int, rounds: int, churn_per_hour: float = 0.1, s
         participants = [p for p in plan.expected]
         lineages = len({id(theta[p]) for p in participants})
         # churn over this round's wall time
-        p_leave = 1.0 - math.exp(-churn_per_hour * duration / 3600.0)
+        p_leave = 0.0 if settle else 1.0 - math.exp(-churn_per_hour * duration / 3600.0)
         leaving = [p for p in online if rng.random() < p_leave]
         for p in leaving:
             for d in (theta, speed, remaining, tokens, delta):
                 d.pop(p)
         leaves += len(leaving)
-        n_join = int(rng.poisson(churn_per_hour * n_peers * duration / 3600.0))
+        n_join = 0 if settle else int(rng.poisson(churn_per_hour * n_peers * duration / 3600.0))
         sync_bytes = 0.0
         for _ in range(n_join):
             if not theta:
@@ -138,7 +146,7 @@ def simulate(n_peers: int, cap: int, rounds: int, churn_per_hour: float = 0.1, s
         spread = _spread([theta[p] for p in theta])
         spread_participants = _spread([theta[p] for p in participants if p in theta])
         per_round.append({
-            "round": t, "time_s": round(clock, 1), "online": len(online), "expected": len(plan.expected),
+            "round": t, "settle": settle, "time_s": round(clock, 1), "online": len(online), "expected": len(plan.expected),
             "late": len(plan.late), "groups": len(plan.groups), "grid_dims": plan.dims, "lineages": lineages,
             "theta_spread": spread, "theta_spread_participants": spread_participants, "avg_bytes_per_peer": bytes_avg / len(online),
             "sync_bytes_per_peer": sync_bytes / len(online), "joins": n_join, "leaves": len(leaving),
@@ -157,7 +165,7 @@ def _spread(thetas: list[np.ndarray]) -> float:
 
 def run(size: str) -> dict[str, Any]:
     cfg = SIZES[size]
-    runs = [simulate(n, cap, cfg["rounds"]) for n, cap in cfg["configs"]]
+    runs = [simulate(n, cap, cfg["rounds"], settle_rounds=SETTLE_ROUNDS) for n, cap in cfg["configs"]]
     return {"params": PARAMS, "inner_s": INNER_S, "speed_sigma": SPEED_SIGMA, "quorum": QUORUM, "grace_s": GRACE_S,
             "link_bytes_per_s": LINK_BYTES_PER_S, "dim": DIM, "runs": runs}
 
@@ -171,7 +179,8 @@ def section(result: dict[str, Any], source: Path) -> str:
     size = result["size"]
     rows, series = [], []
     for r in result["runs"]:
-        pr = r["per_round"]
+        pr = [x for x in r["per_round"] if not x.get("settle")]
+        settled = [pr[-1]["theta_spread"]] + [x["theta_spread"] for x in r["per_round"] if x.get("settle")]
         half = pr[len(pr) // 2:]
         spreads = [x["theta_spread_participants"] for x in pr]
         rows.append([
@@ -187,7 +196,9 @@ def section(result: dict[str, Any], source: Path) -> str:
             f"{pr[-1]['time_s'] / 3600:.1f} h",
         ])
         series.append(f"- {r['n_peers']} peers, cap {r['cap']}: θ spread of the round's peers, by round: "
-                      + ", ".join(f"{s:.2f}" for s in spreads[:12]) + (" …" if len(spreads) > 12 else ""))
+                      + ", ".join(f"{s:.2f}" for s in spreads[:12]) + (" …" if len(spreads) > 12 else "")
+                      + "; of all online peers when training stops, then after each round without new Δ: "
+                      + " → ".join(f"{s:.3f}" for s in settled))
     return (
         f"<!-- bench:simscale size={size} -->\n## 8. Internet scale, simulated (`python -m bench.simscale`)\n\n"
         + ("" if size == "full" else "> **Toy size**: run `python -m bench.simscale` for the full-size figures.\n\n")
@@ -202,7 +213,10 @@ def section(result: dict[str, Any], source: Path) -> str:
         "*Lineages*: distinct θ among the peers that averaged in a round (max over the second half of the run); "
         "*θ spread*: RMS distance of θ from the mean θ, per coordinate, in units of one peer's outer-step update "
         "(mean over the second half), among the peers that averaged in the round, and among all online peers "
-        "(late peers hold a θ one or more steps old until their next round).\n\n"
+        "(late peers hold a θ one or more steps old until their next round). Each configuration then runs "
+        f"{SETTLE_ROUNDS} more rounds with no new Δ, no churn and every peer on time: every round's new Δ widens "
+        "the spread by its noise, and what the grouping rule's mixing does to the spread shows there "
+        "(a full grid of the cap's side averages exactly in as many rounds as it has dimensions).\n\n"
         + md_table(["peers", "cap", "grid dims", "peers per round", "groups per round", "lineages (max)",
                     "θ spread (round's peers)", "θ spread (all online)", "all-reduce bytes/peer/step", "state-sync bytes/peer/step", "left/joined",
                     "simulated time"], rows)

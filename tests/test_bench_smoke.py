@@ -127,8 +127,12 @@ def test_simscale_runs_on_the_nodes_grouping_rule(tmp_path):
     one = simulate(32, 64, rounds=6, seed=1)  # fits under the cap: one group, one lineage every round
     assert all(r["groups"] == 1 and r["lineages"] == 1 and r["theta_spread_participants"] < 1e-12
                for r in one["per_round"])
-    grid = simulate(256, 16, rounds=6, seed=1)
-    for r in grid["per_round"]:
+    grid = simulate(256, 16, rounds=6, seed=1, settle_rounds=3)
+    training, settle = grid["per_round"][:6], grid["per_round"][6:]
+    spreads = [training[-1]["theta_spread"]] + [r["theta_spread"] for r in settle]
+    # without new Δ the grid's mixing shrinks the spread every round; a full 16 × 16 grid averages exactly in 2
+    assert all(b < a for a, b in zip(spreads, spreads[1:3])) and spreads[-1] < 0.01 * spreads[0], spreads
+    for r in training:
         # the grid places every online peer (late ones too): 16² = 256 peers fit on 2 dimensions
         assert r["grid_dims"] == (2 if r["online"] <= 256 else 3)
         assert r["groups"] >= r["expected"] / 17 and 0 < r["expected"] <= r["online"]
