@@ -496,9 +496,9 @@ class Node(Startup, StateSync, Mixing):
         hivemind's ``ProgressTracker`` aligns its epochs the same way) decides whom the round waits
         for: it begins when the last of them has handed off, plus a little slack. The grace window is
         half a phase of ours, within [--matchmaking-time, half the averaging window]. A peer still
-        starting up, or one that crashed, is not waited for (:func:`seconds_to_handoff`). The grid holds the peers whose records we read in the
-        last ``GRID_MEMORY_S`` seconds: a read that misses a record (a loaded machine) must not give us a
-        grid of our own.
+        starting up, or one that crashed, is not waited for (:func:`seconds_to_handoff`). The grid holds
+        the peers whose records we read in the last ``GRID_MEMORY_S`` seconds: a read that misses a
+        record (a loaded machine) must not give us a grid of our own.
 
         The grid rotates with the round number (Moshpit SGD, arXiv 2103.03239), which is the median
         outer step of the online peers' records (ours, when we are ahead): a peer one step behind the
