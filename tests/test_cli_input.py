@@ -62,6 +62,10 @@ CASES = {
     "metrics-file-folder": (["--metrics-file", "{tmp}/empty"], ["--metrics-file ", "empty: is a directory"]),
     "tokenizer-missing": (["--model", "llama-tiny", "--tokenizer", "/no-such-tokenizer"],
                           ["--tokenizer '/no-such-tokenizer' does not exist"]),
+    # an unbounded timeout would make every call into the averager unbounded (click's ranges let inf through)
+    "window-inf": (["--averaging-window", "inf"], ["--averaging-window must be a finite number"]),
+    "allreduce-timeout-inf": (["--allreduce-timeout", "inf"], ["--allreduce-timeout must be a finite number"]),
+    "outer-lr-inf": (["--outer-lr", "inf"], ["--outer-lr", "finite number"]),
 }
 
 
@@ -180,3 +184,11 @@ def test_a_stop_signal_while_the_node_loads_ends_it_at_once(tmp_path, sig):
     assert proc.returncode == 0, (proc.returncode, err[-2000:])
     assert seconds <= 20 and "Traceback" not in err, (seconds, err[-2000:])
     assert "stopped during start-up" in out + err, out + err
+
+
+@pytest.mark.parametrize("args", [["status", "--stale-after", "inf"], ["dashboard", "--poll-s", "inf"]])
+def test_an_unbounded_interval_is_refused(poisoned_env, tmp_path, args):
+    out = subprocess.run([sys.executable, "-m", "diloco_swarm", args[0], "--initial-peers",
+                          "/ip4/127.0.0.1/tcp/1/p2p/QmcaAm1dbxe3yDbWTLWVedDN8xTYf3NXS6TCfAyaMH5dcK", *args[1:]],
+                         cwd=tmp_path, env=poisoned_env, capture_output=True, text=True, timeout=60)
+    assert f"{args[1]} must be a finite number" in error_line(out.stderr, out.returncode, out.stdout)

@@ -68,3 +68,13 @@ def test_a_state_only_a_client_holds_is_not_canonical():
     states = {"a": (8, d("a")), "b": (8, d("a")), "c": (9, d("client"))}
     marks = {"a": [(8, d("a"))], "b": [(8, d("a"))], "c": [(9, d("client"))]}
     assert set(choices(states, marks, clients=frozenset({"c"})).values()) == {(8, d("a"))}
+
+
+def test_a_newcomer_at_step_0_does_not_hold_back_a_joiner_beside_it():
+    # A trained alone to step 5; B and C start at the same moment. B must still see step 5 as backed
+    # (it used to need 2 owners at 5, and C at 0 counted as one of the online peers)
+    entries = [record("A", 5, [(5, d("a5"))]), record("C", 0, [])]
+    assert gather_evidence(entries, "B", 0, []).supported_step == 5
+    # ...while one peer claiming far ahead of another trained peer is still not followed
+    entries = [record("A", 5, [(5, d("a5"))]), record("H", 1005, [(1005, d("h"))]), record("C", 0, [])]
+    assert gather_evidence(entries, "B", 0, []).supported_step == 5

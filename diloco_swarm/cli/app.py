@@ -6,6 +6,7 @@ Every user-facing problem ends with one line on stderr and exit code 2; nothing 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # before hivemind is imported anywhere
@@ -88,6 +89,17 @@ def fail(message: str, code: int = USAGE_ERROR) -> "typer.Exit":
     one_line = " ".join(printable(message).split())
     err.print(f"[bold red]error:[/] {escape(one_line)}", soft_wrap=True)
     return typer.Exit(code)
+
+
+def require_finite(**flags: float) -> None:
+    """Refuse an ``inf`` or ``nan`` value of a float flag (click's ranges let ``inf`` through, and a
+    timeout or an interval of ``inf`` would make a call unbounded). Keyword names are the flags' names.
+
+    :raises typer.Exit: code 2, after one ``error:`` line naming the flag.
+    """
+    for name, value in flags.items():
+        if not math.isfinite(value):
+            raise fail(f"--{name.replace('_', '-')} must be a finite number, got {value}")
 
 
 NODE_MODULES = ("torch", "hivemind")  # the [node] extra (pyproject.toml)
@@ -173,6 +185,9 @@ def join(
     from diloco_swarm.node.config import NodeConfig
     from diloco_swarm.spec import RunSpec, run_id_problem
 
+    # (the run spec's floats are checked by RunSpec, the bounded ones by their ranges)
+    require_finite(matchmaking_time=matchmaking_time, averaging_window=averaging_window,
+                   allreduce_timeout=allreduce_timeout, slowdown=slowdown)
     if fault not in FAULT_NAMES:  # node/faults.py's (not imported here: it loads torch)
         raise fail(f"--fault must be one of {', '.join(FAULT_NAMES[1:])}, got '{fault}'")
     if target_group_size == 1:

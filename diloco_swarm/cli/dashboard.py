@@ -55,11 +55,13 @@ def dashboard(
 
     Joins the DHT as a client and reads the peers' signed records every few seconds. Also serves /api/v1/state (JSON, see docs/dashboard.md) and /metrics (Prometheus). Ctrl+C stops it; the chart history is saved in --state-dir.
     """
-    from diloco_swarm.cli.app import fail
+    from diloco_swarm.cli.app import fail, require_finite
     from diloco_swarm.cli.status import open_reader, parse_peers, reader_message, use_light
     from diloco_swarm.spec import run_id_problem
     from diloco_swarm.utils.net import port_problem
 
+    require_finite(poll_s=poll_s, sample_s=sample_s, refresh_s=refresh_s, stale_after=stale_after, gone_after=gone_after,
+                   keep_gone=keep_gone)
     err = Console(stderr=True, highlight=False)
     if run_id_problem(run_id):
         raise fail(run_id_problem(run_id))

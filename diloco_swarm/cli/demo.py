@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,7 +140,7 @@ def run_demo(*, peers: int, outer_steps: int, inner_steps: int, port: int, workd
                 return 2
             maddrs = next((e["maddrs"] for e in read_metrics(metrics[0]) if e.get("event") == "start"), [])
             time.sleep(0.3)
-        say(console, f"demo: watch it with: diloco-node status --run-id {run_id} --initial-peers {maddrs[0]}")
+        say(console, f"demo: watch it with: {_own_command()} status --run-id {run_id} --initial-peers {maddrs[0]}")
         for i in range(1, peers):
             start(i, ["--port", "0", "--initial-peers", maddrs[0]])
         codes = [p.wait() for p in procs]
@@ -167,3 +168,12 @@ def run_demo(*, peers: int, outer_steps: int, inner_steps: int, port: int, workd
         )
     console.print(table)
     return 0 if all(c == 0 for c in codes) else 1
+
+
+def _own_command() -> str:
+    """How to run ``diloco-node`` again from this shell: its name when it is on PATH (an activated
+    venv, a pip install), else the path it was started from (``./diloco demo`` runs .venv/bin/diloco-node)."""
+    if shutil.which("diloco-node"):
+        return "diloco-node"
+    launched = Path(sys.argv[0])
+    return str(launched) if launched.name == "diloco-node" and launched.exists() else f"{sys.executable} -m diloco_swarm"

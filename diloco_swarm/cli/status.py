@@ -245,10 +245,11 @@ def status(
 
     Joins the DHT as a client (it never trains and accepts no connections), reads every peer's signed record, prints, and leaves. Exit code 0 even when no peer is found; 2 on errors.
     """
-    from diloco_swarm.cli.app import fail
+    from diloco_swarm.cli.app import fail, require_finite
     from diloco_swarm.spec import run_id_problem
     from diloco_swarm.dashboard.state import summarize
 
+    require_finite(stale_after=stale_after)
     out = Console(highlight=False)
     if run_id_problem(run_id):
         raise fail(run_id_problem(run_id))

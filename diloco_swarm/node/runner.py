@@ -363,7 +363,8 @@ class Node(Startup, StateSync, Mixing):
             raise Diverged(
                 f"training diverged at outer step {self.outer_step}: the pseudo-gradient has non-finite "
                 f"values; the last good checkpoint is kept. If it happens again after a restart, the run's "
-                f"--inner-lr is too high for this model: start a new run (another --run-id) with a lower one"
+                f"--inner-lr or --outer-lr is too high for this model: start a new run (another --run-id) with "
+                f"lower ones"
             )
         carried, self._carried = self._carried, None  # Δ already holds it: θ_local kept the late rounds' work
         return Handoff(delta=delta, tokens=tokens + (carried.tokens if carried else 0), inner_steps=steps,

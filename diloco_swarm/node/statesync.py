@@ -35,8 +35,9 @@ class Evidence:
     """What the swarm's signed records back, as one node sees it.
 
     ``supported_step``: the newest outer step that at least :data:`EVIDENCE_QUORUM` distinct record
-    owners (signing keys) have reached, or all of them when fewer are online: one peer claiming
-    to be far ahead does not move it. ``vouched``: the (outer step, θ digest) pairs that as many
+    owners (signing keys) have reached, or all of them when fewer are online past step 0: one peer
+    claiming to be far ahead does not move it, and a newcomer still at step 0 does not hold back a
+    joiner that starts beside it. ``vouched``: the (outer step, θ digest) pairs that as many
     owners hold in their θ marks, this node included, with the peer ids of the other holders.
     """
 
@@ -104,7 +105,8 @@ def gather_evidence(entries, me: str, my_step: int = 0, my_marks=()) -> Evidence
         evidence.holders_by_step.setdefault(record.outer_step, set()).add(record.peer_id)
         for step, digest in marks_of([(m.step, m.digest) for m in record.theta_marks]).items():
             claims.setdefault((step, digest), {})[entry.owner] = record.peer_id
-    quorum = min(EVIDENCE_QUORUM, max(1, len(steps)))
+    # a peer at outer step 0 (a newcomer that has not synced yet) backs no step: it does not raise the quorum
+    quorum = min(EVIDENCE_QUORUM, max(1, sum(1 for s in steps.values() if s > 0)))
     ranked = sorted(steps.values(), reverse=True)
     # a step that we reached ourselves backs a peer's claim up to it: we trust our own state
     evidence.supported_step = max(ranked[quorum - 1] if len(ranked) >= quorum else 0,
@@ -206,7 +208,7 @@ class StateSync:
         newest = evidence.supported_step
         if len(set(entries.values())) > 1:
             for peer, entry in entries.items():
-                if peer != self.peer_id and entry[0] > newest:
+                if peer != self.peer_id and entry[0] > newest + 1:  # one step ahead: records still on their way
                     self._warn_unsupported(peer, entry[0])
             canonical = canonical_state(entries, self.peer_id, evidence, self.averager.donors(),
                                         can_donate=not self.client_mode)
@@ -249,6 +251,7 @@ class StateSync:
         """
         max_bytes = 2 * sum(t.numel() for t in self.outer.theta) * 4 + (1 << 20)
         t0 = time.monotonic()
+        ahead: dict[str, str] = {}  # donor -> why the records do not back its state yet (said once, at the end)
         for attempt in range(attempts):
             if self.stop.requested:
                 return None
@@ -274,17 +277,22 @@ class StateSync:
                     self.status.log(f"state download from {peer} failed: {e}")
                     continue
                 problem = self._check_state(meta, tensors, min_step)
-                if problem is None and evidence.accepts(meta["outer_step"], meta["theta_digest"]) is not None:
-                    evidence = self._evidence()  # the records of a fresh round may just be arriving
-                    problem = evidence.accepts(meta["outer_step"], meta["theta_digest"])
                 if problem is not None:
                     if "older than" not in problem:
                         self.status.log(f"refused the state of {peer}: {problem}")
                     continue
+                if evidence.accepts(meta["outer_step"], meta["theta_digest"]) is not None:
+                    evidence = self._evidence()  # the records of a fresh round may just be arriving
+                    problem = evidence.accepts(meta["outer_step"], meta["theta_digest"])
+                    if problem is not None:
+                        ahead[peer] = problem
+                        continue
                 return DownloadedState(donor=peer, meta=meta, tensors=tensors, received=received,
                                        seconds=time.monotonic() - t0, reason=reason)
             if attempt + 1 < attempts:
                 time.sleep(EVIDENCE_RETRY_S)
+        for peer, problem in ahead.items():
+            self.status.log(f"refused the state of {peer}: {problem}")
         return None
 
     def _adopt_state(self, state: "DownloadedState", handoff=None, estimate=None, carry: bool = False) -> None:
