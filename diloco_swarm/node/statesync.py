@@ -35,9 +35,8 @@ class Evidence:
     """What the swarm's signed records back, as one node sees it.
 
     ``supported_step``: the newest outer step that at least :data:`EVIDENCE_QUORUM` distinct record
-    owners (signing keys) have reached, or all of them when fewer are online past step 0: one peer
-    claiming to be far ahead does not move it, and a newcomer still at step 0 does not hold back a
-    joiner that starts beside it. ``vouched``: the (outer step, θ digest) pairs that as many
+    owners (signing keys) have reached, or all of them when fewer are online: one peer claiming
+    to be far ahead does not move it. ``vouched``: the (outer step, θ digest) pairs that as many
     owners hold in their θ marks, this node included, with the peer ids of the other holders.
     """
 
@@ -105,8 +104,7 @@ def gather_evidence(entries, me: str, my_step: int = 0, my_marks=()) -> Evidence
         evidence.holders_by_step.setdefault(record.outer_step, set()).add(record.peer_id)
         for step, digest in marks_of([(m.step, m.digest) for m in record.theta_marks]).items():
             claims.setdefault((step, digest), {})[entry.owner] = record.peer_id
-    # a peer at outer step 0 (a newcomer that has not synced yet) backs no step: it does not raise the quorum
-    quorum = min(EVIDENCE_QUORUM, max(1, sum(1 for s in steps.values() if s > 0)))
+    quorum = min(EVIDENCE_QUORUM, max(1, len(steps)))
     ranked = sorted(steps.values(), reverse=True)
     # a step that we reached ourselves backs a peer's claim up to it: we trust our own state
     evidence.supported_step = max(ranked[quorum - 1] if len(ranked) >= quorum else 0,
