@@ -89,7 +89,9 @@ def test_ctrl_c_stops_each_node_with_exactly_one_sigint(demo, tmp_path):
     for d in node_dirs(tmp_path):
         assert signals_of(d) == ["SIGINT"], d  # one stop request: no second signal, so the checkpoint is kept
         assert (d / "exit").read_text() == "0"
-    assert "watch it with: diloco-node status --run-id demo-" in stderr
+    # the hint runs as typed: diloco-node when it is on PATH, else this interpreter with -m
+    hint = next(line for line in stderr.splitlines() if "watch it with: " in line).split("watch it with: ")[1]
+    assert hint.startswith(("diloco-node status --run-id demo-", f"{sys.executable} -m diloco_swarm status --run-id demo-")), hint
 
 
 @pytest.mark.timeout(90)
