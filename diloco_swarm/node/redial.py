@@ -1,14 +1,24 @@
-"""Dialing known peers again, so that swarms that started apart merge.
+"""Dialing known peers again, so that swarms that started apart merge, and a DHT keeps the swarm.
 
 A paused run restarted all at once: every node dials the peers it saw before (``peers.json``),
 none of them is up yet, so each starts a new swarm of the same run, and they never met again.
 A node that started a new swarm although it knew peers therefore keeps dialing them
 (:class:`Redialer`, every :data:`REDIAL_EVERY_S`, each dial bounded), until one answers: then
 the two DHTs share their routing tables, and matchmaking finds the others' group keys.
+
+A running node can lose live peers too: hivemind's DHT drops a peer from its routing table after
+one call to it that timed out (``DHTProtocol.update_routing_table(responded=False)``, a 3 s limit)
+and bans it from its searches with an exponential back-off (``DHTNode.blacklist``); it has no bucket
+refresh to find it again. On a loaded machine a node lost half of an 8-peer swarm that way, read
+only the records of the other half from then on, and planned its rounds with them: two lineages
+for the rest of the run (``bench scale``, groups of 4). :class:`ReconnectPeers` pings the peers
+whose records we read recently and that are missing from the routing table or banned, which puts
+them back (:meth:`Node._dht_upkeep`, at most every :data:`REDIAL_EVERY_S`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Callable, Sequence
@@ -19,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 REDIAL_EVERY_S = 20.0
 DIAL_TIMEOUT_S = 5.0  # one peer: connect, then ping, each at most this long
+RECONNECT_MAX_DIALS = 8  # peers one ReconnectPeers pass dials (the others wait for the next pass)
 
 
 class DialPeers:
@@ -48,6 +59,61 @@ class DialPeers:
             except Exception:
                 continue  # that peer is still away; try the others
         return len(answered)
+
+
+class ReconnectPeers:
+    """DHT coroutine: ping each of ``peers`` (``{peer id: multiaddrs}``) that is missing from the
+    routing table or banned by the blacklist; a peer that answers is back in both (hivemind's
+    ``call_ping`` adds it; we lift the ban), at most ``max_dials`` of them. Returns ``(missing, answered)``."""
+
+    def __init__(self, peers: dict[str, Sequence[str]], timeout: float = DIAL_TIMEOUT_S,
+                 max_dials: int = RECONNECT_MAX_DIALS):
+        self.peers, self.timeout, self.max_dials = {p: list(a) for p, a in peers.items()}, timeout, max_dials
+
+    async def __call__(self, _dht, node) -> tuple[int, int]:
+        import asyncio
+
+        from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
+
+        missing = answered = 0
+        for peer, maddrs in self.peers.items():
+            try:
+                peer_id = PeerID.from_base58(peer)
+                if peer_id == node.peer_id or (peer_id in node.protocol.routing_table and peer_id not in node.blacklist):
+                    continue
+                missing += 1
+                if missing > self.max_dials:
+                    continue
+                for addr in maddrs[:2]:  # the p2p daemon may have dropped the connection too
+                    maddr = Multiaddr(addr)
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(node.p2p._client.connect(
+                            peer_id, [maddr.decapsulate(f"/p2p/{peer_id}") if "/p2p/" in addr else maddr]),
+                            self.timeout)
+                        break
+                if await asyncio.wait_for(node.protocol.call_ping(peer_id), self.timeout) is not None:
+                    node.blacklist.register_success(peer_id)
+                    answered += 1
+            except Exception:
+                continue  # gone for good, or a malformed address from its record: try the others
+        return missing, answered
+
+
+def reconnect_peers(dht, peers: dict[str, Sequence[str]], stop: threading.Event | None = None) -> tuple[int, int]:
+    """Put ``peers`` back into the DHT's routing table (:class:`ReconnectPeers`); bounded in time; never
+    raises. :returns: ``(missing, answered)``: peers that were missing or banned, and those of them that
+    answered ((0, 0) on any trouble)."""
+    if not peers:
+        return 0, 0
+    try:
+        timeout = 3 * DIAL_TIMEOUT_S * min(len(peers), RECONNECT_MAX_DIALS) + 5  # 2 connects and a ping each
+        missing, answered = dht_run(dht, ReconnectPeers(peers), timeout=timeout,
+                                    what="reconnecting to the swarm's peers", stop=stop)
+        return int(missing), int(answered)
+    except Exception as e:
+        logger.debug(f"reconnecting to {len(peers)} peers failed: {e}")
+        return 0, 0
 
 
 def dial_peers(dht, maddrs: Sequence[str], stop: threading.Event | None = None) -> int:

@@ -40,7 +40,7 @@ from diloco_swarm.averaging.mixing import group_bits, history_length
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
 from diloco_swarm.node.startup import Startup
 from diloco_swarm.node.stats import NodeStats
-from diloco_swarm.node.redial import Redialer, dial_peers
+from diloco_swarm.node.redial import REDIAL_EVERY_S, Redialer, dial_peers, reconnect_peers
 from diloco_swarm.node.statesync import StateSync, theta_digest
 from diloco_swarm.utils.hivemind_fixes import remove_socket_dir
 from diloco_swarm.utils.worker import Worker
@@ -141,6 +141,7 @@ class Node(Startup, StateSync, Mixing):
         self.sync: OuterSync | None = None
         self._housekeeping = Worker("housekeeping")  # DHT upkeep: records, run spec, the swarm's records
         self._checkpoints = Worker("checkpoint")  # writes, in order; never queued behind a slow DHT call
+        self._reconnect = Worker("reconnect")  # ReconnectPeers passes (node/redial.py); dials take seconds
         self._last_checkpoint = None  # future of the newest checkpoint write
         self.swarm_inner_step_s: float | None = None  # the online peers' median (DyLU)
         self.swarm_phase_eta: float | None = None  # the other online peers' median phase_eta (unix time)
@@ -150,6 +151,8 @@ class Node(Startup, StateSync, Mixing):
         self._history_floor = history_length(GRID_DIMS_GUESS) if config.target_group_size else 1
         self._grid_records: dict[str, tuple[float, Any]] = {}  # peer id -> (time.monotonic() seen, its record)
         self._heard: dict[str, tuple[float, float]] = {}  # peer id -> (its record's `updated`, time.monotonic() we first read it)
+        self._recent_peers: dict[str, tuple[float, list[str]]] = {}  # full peer id -> (time.monotonic() read, its maddrs)
+        self._last_reconnect = 0.0  # time.monotonic() of the last ReconnectPeers pass
         self.history = ThetaHistory(self._history_floor)
         self._last_eval_s = 0.0  # seconds the last held-out evaluation took (prices the next one)
         self._carried: Carried | None = None  # late rounds whose Δ θ_local still holds (outer_sync.hold)
@@ -705,7 +708,8 @@ class Node(Startup, StateSync, Mixing):
 
     def _dht_upkeep(self) -> None:
         """Housekeeping thread: publish our record, refresh the run spec, read the swarm's records
-        (peers seen, their speeds for DyLU, the addresses kept for restarts)."""
+        (peers seen, their speeds for DyLU, the addresses kept for restarts), and put peers the DHT
+        dropped under load back into its routing table (node/redial.py)."""
         from diloco_swarm.dht.records import read_peer_records
         from diloco_swarm.dht.swarm import refresh_run_spec
 
@@ -716,6 +720,18 @@ class Node(Startup, StateSync, Mixing):
             self.stats.peers_seen = max(1, len(records))
             self._note_swarm(records)
             self._remember_peers(records)
+        now = time.monotonic()
+        if now - self._last_reconnect >= REDIAL_EVERY_S and self._recent_peers:
+            self._last_reconnect = now
+            self._reconnect.submit(self._reconnect_peers, {p: maddrs for p, (_, maddrs) in self._recent_peers.items()})
+
+    def _reconnect_peers(self, peers: dict[str, list[str]]) -> None:
+        """Reconnect thread (a dead peer's dial takes seconds): put the peers whose records we read
+        lately back into the DHT's routing table if it dropped them (node/redial.py)."""
+        _, answered = reconnect_peers(self.dht, peers, stop=self.stop.event)
+        if answered:
+            self.status.log(f"the DHT had dropped {answered} live peer{'s' if answered != 1 else ''} of the swarm "
+                            "(calls to them timed out); they are back in its routing table")
 
     def _silent_s(self, peer: str, now: float) -> float:
         """Seconds (``time.monotonic``) since we first read the record of ``peer`` that we read last."""
@@ -731,6 +747,10 @@ class Node(Startup, StateSync, Mixing):
         heard.update((p, heard[p] if p in heard and heard[p][0] == r.updated else (r.updated, now))
                      for p, r in records.items())
         self._heard = heard
+        recent = {p: v for p, v in self._recent_peers.items() if now - v[0] < HEARD_MEMORY_S}
+        recent.update((p, (now, list(r.maddrs))) for p, r in records.items()
+                      if p != self.peer_id and r.reachability != "client" and r.maddrs)
+        self._recent_peers = recent
         speeds = sorted(r.inner_step_s for r in records.values() if r.inner_step_s > 0)
         self.swarm_inner_step_s = speeds[len(speeds) // 2] if speeds else None
         etas = sorted(r.phase_eta for p, r in records.items() if p != self.peer_id and r.phase_eta > 0)
@@ -783,6 +803,7 @@ class Node(Startup, StateSync, Mixing):
         self.sync.abandon(timeout=5.0)
         self.stats.wasted_inner_s += pending_inner_s
         self._housekeeping.close()
+        self._reconnect.close()
         self._checkpoints.close()  # the queued checkpoint write still runs
         if self._last_checkpoint is not None:
             with contextlib.suppress(Exception):
@@ -827,6 +848,7 @@ class Node(Startup, StateSync, Mixing):
         if self.sync is not None:
             self.sync.abandon(timeout=0.0)  # after an error: the averaging thread must not outlive us
         self._housekeeping.close()
+        self._reconnect.close()
         self._checkpoints.close()
         if self.records is not None:
             self.records.stop(remove=False)
