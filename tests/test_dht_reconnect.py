@@ -1,4 +1,5 @@
-"""A DHT that dropped live peers gets them back (node/redial.py: ReconnectPeers).
+"""A DHT that dropped live peers gets them back (node/redial.py: ReconnectPeers), and a crashed
+peer is told from a live one at once (ProbePeers).
 
 Real hivemind DHTs on 127.0.0.1. The fault is the one hivemind applies itself after a call that
 timed out under load (``DHTProtocol.update_routing_table(responded=False)`` and the blacklist's
@@ -15,7 +16,7 @@ import pytest
 from diloco_swarm.dht.calls import dht_run, dht_visible_maddrs
 from diloco_swarm.dht.records import record_validators
 from diloco_swarm.dht.swarm import start_dht
-from diloco_swarm.node.redial import reconnect_peers
+from diloco_swarm.node.redial import gone_peers, reconnect_peers
 
 
 class _DropPeer:
@@ -65,7 +66,7 @@ def swarm(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_dropped_live_peer_is_put_back_and_a_dead_one_costs_a_bounded_pass(swarm):
+def test_a_dropped_live_peer_is_put_back_and_a_crashed_one_is_told_apart(swarm):
     a, b, c = swarm
     peers = {str(d.peer_id): [str(m) for m in dht_visible_maddrs(d)] for d in (b, c)}
     b_id, c_id = str(b.peer_id), str(c.peer_id)
@@ -77,7 +78,11 @@ def test_a_dropped_live_peer_is_put_back_and_a_dead_one_costs_a_bounded_pass(swa
     assert reconnect_peers(a, peers) == (1, 1)
     assert dht_run(a, _Knows(b_id), timeout=10), "b answered the ping but is still out of a's routing table"
 
-    c.shutdown()  # gone for good: dropped, and nobody answers
+    assert gone_peers(a, [b_id, c_id, "not-a-peer-id"]) == set()
+    c.shutdown()  # gone for good: its ping is refused at once, while b answers
+    t0 = time.monotonic()
+    assert gone_peers(a, [b_id, c_id]) == {c_id}
+    assert time.monotonic() - t0 < 3
     dht_run(a, _DropPeer(c_id), timeout=10)
     t0 = time.monotonic()
     assert reconnect_peers(a, peers) == (1, 0)

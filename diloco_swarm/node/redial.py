@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 REDIAL_EVERY_S = 20.0
 DIAL_TIMEOUT_S = 5.0  # one peer: connect, then ping, each at most this long
+PROBE_TIMEOUT_S = 1.0  # a ping that fails within this long means the peer is gone (a live one's answers or hangs)
 RECONNECT_MAX_DIALS = 8  # peers one ReconnectPeers pass dials (the others wait for the next pass)
 
 
@@ -98,6 +99,49 @@ class ReconnectPeers:
             except Exception:
                 continue  # gone for good, or a malformed address from its record: try the others
         return missing, answered
+
+
+class ProbePeers:
+    """DHT coroutine: which of ``peers`` (peer ids) are gone: banned by the DHT's blacklist (a call to
+    them failed lately), or their ping failed within ``timeout`` s (refused: the process is gone; no
+    route). A ping still running after ``timeout`` says nothing (a slow peer): it is not reported."""
+
+    def __init__(self, peers: Sequence[str], timeout: float):
+        self.peers, self.timeout = list(peers), timeout
+
+    async def __call__(self, _dht, node) -> list[str]:
+        import asyncio
+
+        from hivemind.p2p import PeerID
+
+        async def gone(peer: str) -> bool:
+            try:
+                peer_id = PeerID.from_base58(peer)
+            except Exception:
+                return False
+            if peer_id in node.blacklist:
+                return True
+            try:
+                return await asyncio.wait_for(node.protocol.call_ping(peer_id), self.timeout) is None
+            except asyncio.TimeoutError:
+                return False
+
+        answers = await asyncio.gather(*(gone(p) for p in self.peers))
+        return [p for p, g in zip(self.peers, answers) if g]
+
+
+def gone_peers(dht, peers: Sequence[str], timeout: float = PROBE_TIMEOUT_S,
+               stop: threading.Event | None = None) -> set[str]:
+    """The ``peers`` whose process is gone (:class:`ProbePeers`), all probed at once; bounded by
+    ``timeout`` + 2 s; never raises. :returns: their peer ids (empty on any trouble)."""
+    if not peers:
+        return set()
+    try:
+        return set(dht_run(dht, ProbePeers(peers, timeout), timeout=timeout + 2.0, what="probing the round's peers",
+                           stop=stop))
+    except Exception as e:
+        logger.debug(f"probing {len(peers)} peers failed: {e}")
+        return set()
 
 
 def reconnect_peers(dht, peers: dict[str, Sequence[str]], stop: threading.Event | None = None) -> tuple[int, int]:

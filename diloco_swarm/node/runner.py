@@ -40,7 +40,7 @@ from diloco_swarm.averaging.mixing import group_bits, history_length
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
 from diloco_swarm.node.startup import Startup
 from diloco_swarm.node.stats import NodeStats
-from diloco_swarm.node.redial import REDIAL_EVERY_S, Redialer, dial_peers, reconnect_peers
+from diloco_swarm.node.redial import REDIAL_EVERY_S, Redialer, dial_peers, gone_peers, reconnect_peers
 from diloco_swarm.node.statesync import StateSync, theta_digest
 from diloco_swarm.utils.hivemind_fixes import remove_socket_dir
 from diloco_swarm.utils.worker import Worker
@@ -472,14 +472,15 @@ class Node(Startup, StateSync, Mixing):
         others = bool(self.averager.donors()) or any(p != self.peer_id for p in records)
         if self.sync.overlap and not others:
             return RoundResult(ok=False, group_size=1, reason="no other peer online"), own, True, ""
-        plan, start = self._plan_round(handoff, records)
+        plan, start, gone = self._plan_round(handoff, records)
         key, members = plan.group_of(self.peer_id)
+        members = tuple(p for p in members if p not in gone)
         grid = len(plan.groups) > 1  # groups smaller than the swarm: θ-mixing keeps them one model
         self.history.resize(max(self._history_floor, history_length(plan.dims if grid else 1)))
         result, average = self.averager.average(
             self._contribution(handoff.delta), weight=max(handoff.tokens, 1), metadata=self._round_metadata(handoff),
             timeout=self.cfg.averaging_window, stop=control.stop, give_up=control.give_up, digest_wait=DIGEST_WAIT_S,
-            scheduled_time=start, online_peers=len(set(records) | {self.peer_id}),
+            scheduled_time=start, online_peers=len((set(records) | {self.peer_id}) - gone),
             group_bits=group_bits(key) if grid else "", group_size=max(2, len(members)))
         return result, average, not others, key if grid else ""
 
@@ -493,14 +494,19 @@ class Node(Startup, StateSync, Mixing):
     def _plan_round(self, handoff: Handoff, records: dict[str, Any]):
         """This round's plan (``averaging/grouping.py``'s ``plan_round``: whom the round waits for and,
         when the swarm is larger than one group, the grid group we belong to) and the latest time its
-        all-reduce should begin (unix time; it begins earlier once every expected member is in).
+        all-reduce should begin (unix time; it begins earlier once every expected member is in), and
+        the members found gone: ``(plan, start, gone)``.
 
         Progress alignment: peers publish when they expect to hand off their phase (``phase_eta`` in
         their records). Decoupled DiLoCo's minimum quorum plus a grace window (arXiv 2604.21428;
         hivemind's ``ProgressTracker`` aligns its epochs the same way) decides whom the round waits
         for: it begins when the last of them has handed off, plus a little slack. The grace window is
         half a phase of ours, within [--matchmaking-time, half the averaging window]. A peer still
-        starting up, or one that crashed, is not waited for (:func:`seconds_to_handoff`). The grid holds
+        starting up, or one that crashed, is not waited for (:func:`seconds_to_handoff`); nor is a
+        member whose record is still fresh but whose process is gone: its ping fails at once
+        (``node/redial.py: ProbePeers``; ``bench.churn``: the survivors' rounds took 4 s for the ~10 s
+        the crashed peer's record looked alive). Gone peers do not count toward the majority quorum
+        either (two survivors of four can average). The grid holds
         the peers whose records we read in the last ``GRID_MEMORY_S`` seconds: a read that misses a
         record (a loaded machine) must not give us a grid of our own.
 
@@ -523,10 +529,18 @@ class Node(Startup, StateSync, Mixing):
         round_no = max(handoff.outer_step, steps[len(steps) // 2])
         plan = plan_round(round_no, etas, max_group_size=self.cfg.group_size, grace_s=grace)
         _, members = plan.group_of(self.peer_id)
-        last = max((etas[p] for p in members), default=0.0)
+        # a member that crashed moments ago still has a fresh record: ask whether it is there before
+        # the round waits for it (clients serve no DHT calls: they cannot be asked)
+        gone = gone_peers(self.dht, [p for p in members if p != self.peer_id and others[p].reachability != "client"],
+                          stop=self.stop.event)
+        if gone and len(plan.groups) == 1:  # (a grid stays as the others see it: they may not know yet)
+            etas.update((p, math.inf) for p in gone)
+            plan = plan_round(round_no, etas, max_group_size=self.cfg.group_size, grace_s=grace)
+            _, members = plan.group_of(self.peer_id)
+        last = max((etas[p] for p in members if p not in gone), default=0.0)
         # the leader starts as soon as all of them are in (hivemind's target size): the matchmaking time
         # on top only gives the slower of them (a loaded machine reads the DHT slowly) time to find it
-        return plan, now + last + ALIGN_SLACK_S + self.cfg.matchmaking_time
+        return plan, now + last + ALIGN_SLACK_S + self.cfg.matchmaking_time, gone
 
     def _public_peer_online(self) -> bool:
         """Whether a group can form for us: always for a full peer; a client needs a public peer."""
