@@ -177,12 +177,15 @@ def run_variant(variant: str, cfg: dict[str, Any], threads: int) -> dict[str, An
             "threads": threads, "warmup_steps": warmup}
 
 
-ESTIMATES = ("own", "mix", "own/k", "none")  # what θ̂ steps on at a hand-off; the node uses "own"
+ESTIMATES = ("fit", "own", "mix", "own/k", "none")  # what θ̂ steps on at a hand-off; the node uses "fit"
 
 
-def _estimate(rule: str, delta: list, last_mean: list | None, k: int) -> list:
-    """The outer gradient θ̂ = preview(·) takes: our own Δ (the node's rule); Kale et al.'s mix of Δ/k
+def _estimate(rule: str, delta: list, last_mean: list | None, k: int, scale: float = 1.0) -> list:
+    """The outer gradient θ̂ = preview(·) takes: ρ × our own Δ, ρ fitted on the last round (the
+    node's rule, ``OuterSync.eager_scale``, passed as ``scale``); our own Δ; Kale et al.'s mix of Δ/k
     with the last average for the other members' share; Δ/k alone; or none (zeros)."""
+    if rule == "fit":
+        return delta if scale == 1.0 else [d * scale for d in delta]
     if rule == "own" or (rule == "mix" and last_mean is None):
         return delta
     if rule == "mix":
@@ -195,7 +198,7 @@ def _estimate(rule: str, delta: list, last_mean: list | None, k: int) -> list:
 
 
 def _run_overlap(cfg, corpus, eval_set, warmup: int, apply_after: float = 1.0,
-                 estimate: str = "own") -> tuple[list, float]:
+                 estimate: str = "fit") -> tuple[list, float]:
     """(e), (f): k peers with the node's overlapped outer step, each round applied after
     ``apply_after`` × H inner steps of the next phase (1.0: at its end, the most stale).
     ``estimate`` picks what θ̂ steps on (:func:`_estimate`; bench/eager.py compares them).
@@ -237,23 +240,23 @@ def _run_overlap(cfg, corpus, eval_set, warmup: int, apply_after: float = 1.0,
                 steps[i] = _train_steps(rep, opts[i], batches[i][:split], steps[i], warmup)
             applied = None
             if pending is not None:  # the previous round ends
-                applied, mean, estimates = pending
-                for s, est in zip(syncs, estimates):
-                    s.apply(mean, est)
+                applied, mean, estimates, own = pending
+                for s, est, d in zip(syncs, estimates, own):
+                    s.apply(mean, est, delta=d)
                 pending, last_mean = None, mean
             for i, rep in enumerate(replicas):  # the rest of the phase
                 steps[i] = _train_steps(rep, opts[i], batches[i][split:], steps[i], warmup)
             if t < N:  # hand-off: Δ from the (just updated) θ_global, θ_local ← θ̂
                 deltas = [_int8_roundtrip(o.pseudo_gradient(p), codec) for o, p in zip(outers, params)]
                 estimates = []
-                for o, p, d in zip(outers, params, deltas):
-                    est = o.preview(_estimate(estimate, d, last_mean, k))
+                for o, p, d, s in zip(outers, params, deltas, syncs):
+                    est = o.preview(_estimate(estimate, d, last_mean, k, s.eager_scale))
                     with torch.no_grad():
                         for q, e in zip(p, est):
                             q.copy_(e)
                     estimates.append(est)
                 mean = _int8_roundtrip([sum(ds) / k for ds in zip(*deltas)], codec)
-                pending = (t, mean, estimates)
+                pending = (t, mean, estimates, deltas)
             train_s += time.perf_counter() - t0
             if applied is not None:
                 curve.append([(applied + 1) * tokens_per_outer, eval_global()])

@@ -154,7 +154,7 @@ def test_eager_benchmark_runs_at_toy_size(tmp_path):
     assert all(loss == loss and loss > 0 for loss in result["final_loss"].values())  # finite losses, no NaN
     result.update(elapsed_s=1.0, loadavg_end=None, provenance=provenance("python -m bench.eager"))
     text = section(result, tmp_path / "eager.smoke.json")
-    assert "<!-- bench:eager size=smoke -->" in text and "| own |" in text and "| none |" in text
+    assert "<!-- bench:eager size=smoke -->" in text and "| fit |" in text and "| own |" in text and "| none |" in text
 
 
 def _check_scale(result: dict, text: str) -> None:
