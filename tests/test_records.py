@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import time
@@ -14,6 +15,8 @@ from hivemind.utils import get_dht_time
 from diloco_swarm.dht.records import (
     PeerRecord,
     PeerRecordPublisher,
+    identity_in_use,
+    last_published,
     normalize_snapshot,
     owner_fingerprint,
     read_peer_entries,
@@ -209,6 +212,33 @@ def test_publish_read_round_trip_and_remove(swarm):
     entries = read_peer_entries(swarm.b, RUN)
     assert [e.record for e in entries if e.owner == pub.owner] == [None]  # the goodbye tombstone
     assert pub.publish_now() is False  # stopped: never resurrects the record
+
+
+@pytest.mark.timeout(90)
+def test_a_restart_knows_its_own_live_record_and_does_not_wait(swarm, tmp_path):
+    """A node restarted right after a crash finds its old record still live: the state dir's note of
+    the last record it published says it is its own, so start() does not wait to watch it; a record
+    newer than the note (a copy of the state dir publishing elsewhere) is watched as before."""
+    peer_a = swarm.a.peer_id.to_base58()
+    note = tmp_path / "record.updated"
+    crashed = PeerRecordPublisher(swarm.a, RUN, swarm.va, lambda: snapshot(peer_a), interval_s=2.0, updated_path=note)
+    crashed.start()
+    wait_for(lambda: read_peer_records(swarm.b, RUN).get(peer_a))
+    crashed.stop(remove=False)  # what a crash leaves: the record lives on for its TTL
+    assert last_published(note, RUN) == read_peer_records(swarm.b, RUN)[peer_a].updated
+    assert last_published(note, "another-run") is None and last_published(tmp_path / "none", RUN) is None
+    restarted = PeerRecordPublisher(swarm.a, RUN, swarm.va, lambda: snapshot(peer_a), interval_s=2.0, updated_path=note)
+    t0 = time.monotonic()
+    try:
+        restarted.start()
+        assert time.monotonic() - t0 < 2.0  # no interval_s + 2 s wait
+    finally:
+        restarted.stop(remove=False)
+    stale = tmp_path / "stale.updated"
+    stale.write_text(json.dumps({"run_id": RUN, "updated": last_published(note, RUN) - 60}))
+    t0 = time.monotonic()
+    assert not identity_in_use(swarm.b, RUN, peer_a, wait_s=2.5, ours_until=last_published(stale, RUN))
+    assert time.monotonic() - t0 >= 2.5  # not provably ours: watched (nobody re-signs it, so not in use)
 
 
 @pytest.mark.timeout(90)

@@ -21,6 +21,7 @@ with a tombstone (``None``), which readers skip, so it disappears at once.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
@@ -348,12 +349,15 @@ class IdentityInUse(SwarmError):
     """Another running node publishes records of our peer id (same identity key: a copied state dir)."""
 
 
-def identity_in_use(dht, run_id: str, peer_id: str, *, wait_s: float) -> bool:
+def identity_in_use(dht, run_id: str, peer_id: str, *, wait_s: float, ours_until: float | None = None) -> bool:
     """Whether another node publishes live records of ``peer_id`` now. Call it before publishing our own.
 
     A live record of our peer id alone proves nothing (ours, from a node that crashed less than
     ``3 * interval_s`` ago); one whose ``updated`` advances, or a new one, within ``wait_s`` does:
-    somebody else is re-signing it. Reads the DHT twice (bounded calls); any read error counts as "no".
+    somebody else is re-signing it. Records no newer than ``ours_until`` (the last ``updated`` this
+    state dir's previous process published: :func:`last_published`) are that process's own: then no
+    wait at all (a restart right after a crash). Reads the DHT once or twice (bounded calls); any read
+    error counts as "no".
     """
 
     def ours() -> dict[str, float] | None:
@@ -363,7 +367,7 @@ def identity_in_use(dht, run_id: str, peer_id: str, *, wait_s: float) -> bool:
         return {e.owner: e.record.updated for e in entries if e.record is not None and e.record.peer_id == peer_id}
 
     first = ours()
-    if not first:
+    if not first or (ours_until is not None and max(first.values()) <= ours_until):
         return False
     time.sleep(wait_s)
     second = ours() or {}
@@ -371,6 +375,19 @@ def identity_in_use(dht, run_id: str, peer_id: str, *, wait_s: float) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- publisher
+def last_published(path: Path | None, run_id: str) -> float | None:
+    """The ``updated`` of the newest record a publisher with ``updated_path=path`` stored for
+    ``run_id`` (unix s), or None (no such file, another run's, or unreadable)."""
+    if path is None:
+        return None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        updated = doc["updated"] if doc.get("run_id") == run_id else None
+        return float(updated) if isinstance(updated, (int, float)) and math.isfinite(updated) else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
 def _dht_time() -> float:
     from hivemind.utils import get_dht_time
 
@@ -388,7 +405,9 @@ class PeerRecordPublisher:
         to the time of publication.
     """
 
-    def __init__(self, dht, run_id: str, validators: list, snapshot: Callable[[], dict], interval_s: float = 5.0):
+    def __init__(self, dht, run_id: str, validators: list, snapshot: Callable[[], dict], interval_s: float = 5.0,
+                 updated_path: Path | None = None):
+        self.updated_path = updated_path  # where each record's `updated` is noted before it is stored
         self.dht = dht
         self.run_id = run_id
         self.key = records_key(run_id)
@@ -419,7 +438,8 @@ class PeerRecordPublisher:
             return
         if check_identity:
             peer_id = str(self.snapshot().get("peer_id", ""))
-            if peer_id and identity_in_use(self.dht, self.run_id, peer_id, wait_s=self.interval_s + 2.0):
+            if peer_id and identity_in_use(self.dht, self.run_id, peer_id, wait_s=self.interval_s + 2.0,
+                                           ours_until=last_published(self.updated_path, self.run_id)):
                 raise IdentityInUse(
                     f"another node with this node's identity (peer id {peer_id}) is online in run '{self.run_id}': it "
                     "keeps publishing this peer's record, and this node has not. Was this state dir copied? Give each "
@@ -440,6 +460,7 @@ class PeerRecordPublisher:
                 if self._stopped.is_set():
                     return False
                 value = normalize_snapshot({**self.snapshot(), "updated": time.time()})
+                self._note_updated(value["updated"])
                 ok = self._store(value, _dht_time() + 3 * self.interval_s)
                 if ok:
                     self._last_problem = ""
@@ -452,6 +473,18 @@ class PeerRecordPublisher:
                 self._last_problem = problem
                 logger.warning(f"could not publish this peer's record: {problem}")
             return False
+
+    def _note_updated(self, updated: float) -> None:
+        """Note ``updated`` before the store (a crash between the two leaves the note ahead, never behind):
+        a restart of this state dir then knows its own records (:func:`identity_in_use`)."""
+        if self.updated_path is None:
+            return
+        try:
+            tmp = self.updated_path.with_name(self.updated_path.name + ".tmp")
+            tmp.write_text(json.dumps({"run_id": self.run_id, "updated": updated}), encoding="utf-8")
+            os.replace(tmp, self.updated_path)
+        except OSError as e:  # the restart then waits interval_s + 2 s to tell its own records apart
+            logger.debug(f"could not note the record's time in {self.updated_path}: {e}")
 
     def _store(self, value: dict | None, expiration: float) -> bool:
         # The DHT keeps the entry with the latest expiration: never go backwards.

@@ -131,7 +131,8 @@ class Startup:
             self.averager.state_sharing_priority = self._donor_priority()
         addrs = self.maddrs = visible_maddrs(self.dht)
         save_port(cfg.state_dir, addrs)  # (a client has none: nobody dials it)
-        self.records = PeerRecordPublisher(self.dht, spec.run_id, validators, self._record_snapshot, interval_s=5.0)
+        self.records = PeerRecordPublisher(self.dht, spec.run_id, validators, self._record_snapshot, interval_s=5.0,
+                                           updated_path=cfg.state_dir / "record.updated")
         self.records.start()
         self.status.log(
             f"peer {self.peer_id} | run '{spec.run_id}' | model {spec.model} "
