@@ -75,6 +75,9 @@ def test_a_dropped_live_peer_is_put_back_and_a_crashed_one_is_told_apart(swarm):
 
     dht_run(a, _DropPeer(b_id), timeout=10)
     assert not dht_run(a, _Knows(b_id), timeout=10)
+    assert gone_peers(a, [b_id]) == set()  # banned, but it answers: alive, and the answer lifts the ban
+    assert dht_run(a, _Knows(b_id), timeout=10)
+    dht_run(a, _DropPeer(b_id), timeout=10)
     assert reconnect_peers(a, peers) == (1, 1)
     assert dht_run(a, _Knows(b_id), timeout=10), "b answered the ping but is still out of a's routing table"
 

@@ -102,9 +102,10 @@ class ReconnectPeers:
 
 
 class ProbePeers:
-    """DHT coroutine: which of ``peers`` (peer ids) are gone: banned by the DHT's blacklist (a call to
-    them failed lately), or their ping failed within ``timeout`` s (refused: the process is gone; no
-    route). A ping still running after ``timeout`` says nothing (a slow peer): it is not reported."""
+    """DHT coroutine: which of ``peers`` (peer ids) are gone: their ping failed within ``timeout`` s
+    (refused: the process is gone; no route), or it still runs then and the DHT's blacklist already
+    bans them (a call to them failed lately). A ping that answers lifts a ban; one still running
+    after ``timeout`` says nothing of a peer not banned (a slow peer): it is not reported."""
 
     def __init__(self, peers: Sequence[str], timeout: float):
         self.peers, self.timeout = list(peers), timeout
@@ -119,12 +120,14 @@ class ProbePeers:
                 peer_id = PeerID.from_base58(peer)
             except Exception:
                 return False
-            if peer_id in node.blacklist:
-                return True
+            banned = peer_id in node.blacklist
             try:
-                return await asyncio.wait_for(node.protocol.call_ping(peer_id), self.timeout) is None
+                answered = await asyncio.wait_for(node.protocol.call_ping(peer_id), self.timeout) is not None
             except asyncio.TimeoutError:
-                return False
+                return banned
+            if answered and banned:
+                node.blacklist.register_success(peer_id)
+            return not answered
 
         answers = await asyncio.gather(*(gone(p) for p in self.peers))
         return [p for p, g in zip(self.peers, answers) if g]

@@ -153,6 +153,7 @@ class Node(Startup, StateSync, Mixing):
         self._heard: dict[str, tuple[float, float]] = {}  # peer id -> (its record's `updated`, time.monotonic() we first read it)
         self._recent_peers: dict[str, tuple[float, list[str]]] = {}  # full peer id -> (time.monotonic() read, its maddrs)
         self._last_reconnect = 0.0  # time.monotonic() of the last ReconnectPeers pass
+        self._reconnecting = None  # its future: one pass at a time
         self.history = ThetaHistory(self._history_floor)
         self._last_eval_s = 0.0  # seconds the last held-out evaluation took (prices the next one)
         self._carried: Carried | None = None  # late rounds whose Δ θ_local still holds (outer_sync.hold)
@@ -736,9 +737,11 @@ class Node(Startup, StateSync, Mixing):
             self._note_swarm(records)
             self._remember_peers(records)
         now = time.monotonic()
-        if now - self._last_reconnect >= REDIAL_EVERY_S and self._recent_peers:
+        busy = self._reconnecting is not None and not self._reconnecting.done()
+        if now - self._last_reconnect >= REDIAL_EVERY_S and self._recent_peers and not busy:
             self._last_reconnect = now
-            self._reconnect.submit(self._reconnect_peers, {p: maddrs for p, (_, maddrs) in self._recent_peers.items()})
+            self._reconnecting = self._reconnect.submit(
+                self._reconnect_peers, {p: maddrs for p, (_, maddrs) in self._recent_peers.items()})
 
     def _reconnect_peers(self, peers: dict[str, list[str]]) -> None:
         """Reconnect thread (a dead peer's dial takes seconds): put the peers whose records we read
