@@ -4,15 +4,15 @@ Run: ``python -m bench.eager [--quick]``. ``bench quality``'s simulation (k peer
 int8 round trips, the node's ``OuterOptimizer`` and ``OuterSync``), with each round's average applied
 at the END of the next phase (the most stale case), for every rule of ``bench.quality.ESTIMATES``:
 
-- ``fit``: θ̂ = OuterStep(θ_global, ρ·own Δ), ρ the least-squares fit of the last round's average
-  on our own Δ of it (``OuterSync.eager_scale``), the node's rule (node/outer_sync.py);
-- ``own``: θ̂ = OuterStep(θ_global, own Δ), the node's rule before ``fit``;
+- ``own``: θ̂ = OuterStep(θ_global, own Δ), the node's rule (node/outer_sync.py);
+- ``fit``: θ̂ = OuterStep(θ_global, ρ·own Δ), ρ the least-squares fit of the peer's last round's
+  average on its own Δ of it (``quality.fit_scale``), studied, not adopted;
 - ``mix``: own Δ/k plus (1 − 1/k) × the last average for the other members (Kale et al., arXiv 2502.12996);
 - ``own/k``: own Δ/k alone;
 - ``none``: no eager step, OuterStep(θ_global, 0).
 
 Blocking DiLoCo int8 (``quality``'s variant (c)) runs in the same invocation as the reference.
-Then ``fit`` and ``own`` with each round applied after a THIRD of the next phase (a round a third of
+Then ``own`` and ``fit`` with each round applied after a THIRD of the next phase (a round a third of
 a phase long, issue 12's setting) against blocking, for :data:`SEEDS` (model initialisation and data
 order): the staleness cost is small next to the spread between seeds, so one seed does not say it.
 Writes ``bench/out/eager[.quick].json`` and the ``eager`` section of ``docs/benchmarks.md``.
@@ -48,10 +48,10 @@ def run(size: str) -> dict:
         with _seed(seed):
             blocking = rows["blocking"] if seed == default else quality.run_variant("DiLoCo int8", cfg, 1)["curve"][-1][1]
             corpus, eval_set = quality._setup(cfg)
-            late, _ = quality._run_overlap(cfg, corpus, eval_set, quality._warmup_steps(), 1 / 3, estimate="fit")
+            late, _ = quality._run_overlap(cfg, corpus, eval_set, quality._warmup_steps(), 1 / 3, estimate="own")
             corpus, eval_set = quality._setup(cfg)
-            own, _ = quality._run_overlap(cfg, corpus, eval_set, quality._warmup_steps(), 1 / 3, estimate="own")
-        seeds[str(seed)] = {"blocking": blocking, "overlap_third_late": late[-1][1], "own_third_late": own[-1][1]}
+            fit, _ = quality._run_overlap(cfg, corpus, eval_set, quality._warmup_steps(), 1 / 3, estimate="fit")
+        seeds[str(seed)] = {"blocking": blocking, "overlap_third_late": late[-1][1], "fit_third_late": fit[-1][1]}
         print(f"[eager] seed {seed}: {seeds[str(seed)]}", file=sys.stderr, flush=True)
     return {"config": cfg, "final_loss": rows, "third_late_by_seed": seeds}
 
@@ -75,9 +75,9 @@ def section(result: dict, source: Path) -> str:
             + ("" if size == "full" else "> **Toy size**: run `python -m bench.eager` for the full-size figures.\n\n")
             + f"`bench quality`'s simulation (model `{cfg['preset']}`, k = {cfg['k']}, H = {cfg['H']}, "
             f"{cfg['outer_steps']} outer steps, int8), overlapped, each round's average applied at the end of the next "
-            "phase. *fit*: θ̂ = OuterStep(θ_global, ρ·own Δ), ρ the least-squares fit of the last round's average on "
-            "our own Δ of it, clipped to [0, 1], the node's rule; *own*: θ̂ = OuterStep(θ_global, own Δ), the node's "
-            "rule before; *mix*: own Δ/k plus (1 − 1/k) × the last "
+            "phase. *own*: θ̂ = OuterStep(θ_global, own Δ), the node's rule; *fit*: θ̂ = OuterStep(θ_global, ρ·own Δ), "
+            "ρ the least-squares fit of the peer's last round's average on its own Δ of it, clipped to [0, 1] (studied, "
+            "not adopted); *mix*: own Δ/k plus (1 − 1/k) × the last "
             "average (Kale et al.); *own/k*: own Δ/k; *none*: no eager step. Final held-out loss, equal tokens.\n\n"
             + md_table(["rule", "final held-out loss", "vs blocking"], rows)
             + _seeds_md(result.get("third_late_by_seed", {}))
@@ -88,16 +88,16 @@ def _seeds_md(by_seed: dict) -> str:
     if not by_seed:
         return ""
     gaps = [r["overlap_third_late"] / r["blocking"] - 1 for r in by_seed.values()]
-    own = [r["own_third_late"] / r["blocking"] - 1 for r in by_seed.values() if "own_third_late" in r]
+    fit = [r["fit_third_late"] / r["blocking"] - 1 for r in by_seed.values() if "fit_third_late" in r]
     rows = [[seed, f"{r['blocking']:.4f}", f"{r['overlap_third_late']:.4f}", f"{100 * g:+.2f}%",
-             f"{r['own_third_late']:.4f}" if "own_third_late" in r else "–",
-             f"{100 * (r['own_third_late'] / r['blocking'] - 1):+.2f}%" if "own_third_late" in r else "–"]
+             f"{r['fit_third_late']:.4f}" if "fit_third_late" in r else "–",
+             f"{100 * (r['fit_third_late'] / r['blocking'] - 1):+.2f}%" if "fit_third_late" in r else "–"]
             for (seed, r), g in zip(by_seed.items(), gaps)]
-    return ("\nThe node's rule (*fit*) and *own* with each round applied after a third of the next phase (a round a "
+    return ("\nThe node's rule (*own*) and *fit* with each round applied after a third of the next phase (a round a "
             "third of a phase long), against blocking, by seed (model initialisation and data order):\n\n"
-            + md_table(["seed", "blocking", "fit, ⅓ late", "vs blocking", "own, ⅓ late", "vs blocking"], rows)
-            + f"\nMean over {len(gaps)} seeds: *fit* **{100 * sum(gaps) / len(gaps):+.2f}%**"
-            + (f", *own* {100 * sum(own) / len(own):+.2f}%" if own else "") + " (issue 12's target: within 1%).\n")
+            + md_table(["seed", "blocking", "own, ⅓ late", "vs blocking", "fit, ⅓ late", "vs blocking"], rows)
+            + f"\nMean over {len(gaps)} seeds: *own* (the node's rule) **{100 * sum(gaps) / len(gaps):+.2f}%**"
+            + (f", *fit* {100 * sum(fit) / len(fit):+.2f}%" if fit else "") + " (issue 12's target: within 1%).\n")
 
 
 def main(argv: list[str] | None = None) -> int:

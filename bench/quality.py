@@ -177,12 +177,20 @@ def run_variant(variant: str, cfg: dict[str, Any], threads: int) -> dict[str, An
             "threads": threads, "warmup_steps": warmup}
 
 
-ESTIMATES = ("fit", "own", "mix", "own/k", "none")  # what θ̂ steps on at a hand-off; the node uses "fit"
+ESTIMATES = ("own", "fit", "mix", "own/k", "none")  # what θ̂ steps on at a hand-off; the node uses "own"
+
+
+def fit_scale(delta: list, mean: list) -> float:
+    """ρ = ⟨Δ, Δ̄⟩ / ⟨Δ, Δ⟩ clipped to [0, 1] (1 when Δ is zero): the least-squares fit of a round's
+    average Δ̄ on a peer's own Δ of it, for the ``fit`` rule."""
+    num = sum(float((d * m).sum(dtype=torch.float64)) for d, m in zip(delta, mean))
+    den = sum(float((d * d).sum(dtype=torch.float64)) for d in delta)
+    return min(1.0, max(0.0, num / den)) if den > 0 else 1.0
 
 
 def _estimate(rule: str, delta: list, last_mean: list | None, k: int, scale: float = 1.0) -> list:
-    """The outer gradient θ̂ = preview(·) takes: ρ × our own Δ, ρ fitted on the last round (the
-    node's rule, ``OuterSync.eager_scale``, passed as ``scale``); our own Δ; Kale et al.'s mix of Δ/k
+    """The outer gradient θ̂ = preview(·) takes: our own Δ (the node's rule); ρ × our own Δ, ρ
+    (``scale``) fitted on the peer's last round (:func:`fit_scale`); Kale et al.'s mix of Δ/k
     with the last average for the other members' share; Δ/k alone; or none (zeros)."""
     if rule == "fit":
         return delta if scale == 1.0 else [d * scale for d in delta]
@@ -198,7 +206,7 @@ def _estimate(rule: str, delta: list, last_mean: list | None, k: int, scale: flo
 
 
 def _run_overlap(cfg, corpus, eval_set, warmup: int, apply_after: float = 1.0,
-                 estimate: str = "fit") -> tuple[list, float]:
+                 estimate: str = "own") -> tuple[list, float]:
     """(e), (f): k peers with the node's overlapped outer step, each round applied after
     ``apply_after`` × H inner steps of the next phase (1.0: at its end, the most stale).
     ``estimate`` picks what θ̂ steps on (:func:`_estimate`; bench/eager.py compares them).
@@ -229,7 +237,8 @@ def _run_overlap(cfg, corpus, eval_set, warmup: int, apply_after: float = 1.0,
         return evaluate(evaluator, eval_set, "cpu")
 
     curve, train_s, steps = [[0, eval_global()]], 0.0, [0] * k
-    pending = None  # (round index, Δ̄, [θ̂ per peer]) of the round in flight
+    pending = None  # (round index, Δ̄, [θ̂ per peer], [Δ per peer]) of the round in flight
+    scales = [1.0] * k  # each peer's ρ for the "fit" rule
     last_mean = None  # the average applied last
     try:
         for t in range(N + 1):
@@ -241,16 +250,17 @@ def _run_overlap(cfg, corpus, eval_set, warmup: int, apply_after: float = 1.0,
             applied = None
             if pending is not None:  # the previous round ends
                 applied, mean, estimates, own = pending
-                for s, est, d in zip(syncs, estimates, own):
-                    s.apply(mean, est, delta=d)
+                for s, est in zip(syncs, estimates):
+                    s.apply(mean, est)
+                scales = [fit_scale(d, mean) for d in own]
                 pending, last_mean = None, mean
             for i, rep in enumerate(replicas):  # the rest of the phase
                 steps[i] = _train_steps(rep, opts[i], batches[i][split:], steps[i], warmup)
             if t < N:  # hand-off: Δ from the (just updated) θ_global, θ_local ← θ̂
                 deltas = [_int8_roundtrip(o.pseudo_gradient(p), codec) for o, p in zip(outers, params)]
                 estimates = []
-                for o, p, d, s in zip(outers, params, deltas, syncs):
-                    est = o.preview(_estimate(estimate, d, last_mean, k, s.eager_scale))
+                for o, p, d, rho in zip(outers, params, deltas, scales):
+                    est = o.preview(_estimate(estimate, d, last_mean, k, rho))
                     with torch.no_grad():
                         for q, e in zip(p, est):
                             q.copy_(e)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from diloco_swarm.node.outer import OuterOptimizer
-from diloco_swarm.node.outer_sync import Handoff, OuterSync, RoundControl, RoundOutcome, eager_scale
+from diloco_swarm.node.outer_sync import Handoff, OuterSync, RoundControl, RoundOutcome
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -153,45 +153,6 @@ def test_a_group_average_is_applied_one_round_late_keeping_local_progress():
     # the next Δ is relative to the new θ_global: exactly the progress made in this phase
     for d, prog in zip(outer.pseudo_gradient(params), progress):
         torch.testing.assert_close(d, -prog, rtol=0, atol=1e-6)
-
-
-def test_eager_scale_is_the_fit_of_the_average_on_our_delta():
-    own = [torch.tensor([2.0, 0.0]), torch.tensor([[0.0, 2.0]])]
-    assert eager_scale(own, own) == 1.0
-    assert eager_scale(own, [t * 0.25 for t in own]) == pytest.approx(0.25)
-    # the part of the average orthogonal to our Δ (the others' noise) does not count
-    assert eager_scale(own, [torch.tensor([1.0, 5.0]), torch.tensor([[7.0, 1.0]])]) == pytest.approx(0.5)
-    assert eager_scale(own, [-t for t in own]) == 0.0 and eager_scale(own, [t * 3 for t in own]) == 1.0  # clipped
-    assert eager_scale([torch.zeros(2), torch.zeros(1, 2)], own) is None
-    assert eager_scale(own, [torch.tensor([float("inf"), 0.0]), torch.zeros(1, 2)]) is None
-
-
-def test_the_next_eager_step_is_scaled_by_the_last_round_fit():
-    """After a round whose average kept half of our Δ, θ̂ = OuterStep(θ_global, ½ Δ); a solo round sets ρ back to 1."""
-    params, outer, _, _ = setup([])
-    inner_phase(params)
-    h = handoff(outer, params)
-    params, outer, fake, sync = setup([("ok", [d * 0.5 for d in h.delta]), "hang"])
-    inner_phase(params)
-    first = handoff(outer, params)
-    sync.hand_off(first)
-    _, outcome, est = sync.take(timeout=5)
-    sync.apply(outcome.average, est, delta=first.delta)
-    assert sync.eager_scale == pytest.approx(0.5)
-    inner_phase(params, seed=2)
-    second = handoff(outer, params, 1)
-    expected = outer.preview([d * sync.eager_scale for d in second.delta])
-    sync.hand_off(second)
-    assert all(torch.equal(p, e) for p, e in zip(params, expected))
-    sync.abandon(timeout=5)
-    params, outer, fake, sync = setup(["fail"])
-    sync.eager_scale = 0.5
-    inner_phase(params)
-    h = handoff(outer, params)
-    sync.hand_off(h)
-    _, outcome, est = sync.take(timeout=5)
-    sync.apply(outcome.average, est, delta=h.delta)
-    assert sync.eager_scale == 1.0
 
 
 def test_overlap_with_solo_rounds_follows_blocking_exactly():

@@ -5,22 +5,16 @@ matchmaking, the all-reduce and its verification. Overlapped DiLoCo hides the ro
 next inner phase, as eager updates do (Kale et al., arXiv 2502.12996, "1-outer-step eager"):
 
     end of phase t:   Δ_t = θ_global^t − θ_local             (hand-off, round t starts in the background)
-                      θ_local ← θ̂ = OuterStep(θ_global^t, ρ·Δ_t)  (eager: our own Δ stands in for the average)
+                      θ_local ← θ̂ = OuterStep(θ_global^t, Δ_t)  (eager: our own Δ stands in for the average)
     during phase t+1: round t ends with the verified average Δ̄_t (or our own Δ_t: a solo round)
                       θ_global^{t+1} = OuterStep(θ_global^t, Δ̄_t)
                       θ_local ← θ_local + (θ_global^{t+1} − θ̂)     (keeps the progress made since the hand-off)
     end of phase t+1: Δ_{t+1} = θ_global^{t+1} − θ_local
 
-ρ (:func:`eager_scale`) is the least-squares fit of the last round's average on our own Δ of it,
-clipped to [0, 1]: our Δ holds our batches' noise as well as the swarm's direction, and the average
-keeps only about ρ of it, so θ̂ lands nearer θ_global^{t+1} (``python -m bench.eager``: 3 seeds,
-held-out loss +1.39% over blocking rounds against +1.68% with ρ = 1; ρ was 0.8–0.97 there). A lone
-peer's average is its own Δ: ρ = 1.
-
 θ_global only ever moves by verified averages (or our own Δ when nobody else is online), so every
 member of a round still holds bit-identical θ_global; only θ_local runs one round "eagerly" ahead. A
 solo round costs nothing: θ_global^{t+1} equals θ̂ bit for bit (:meth:`OuterOptimizer.preview`), so
-the correction is zero (ρ = 1 after a solo round). The checkpoint holds (θ_global, momentum, outer step) of the last applied
+the correction is zero. The checkpoint holds (θ_global, momentum, outer step) of the last applied
 round, never an eager estimate, so a crash at any moment resumes from a state an outer step produced.
 
 A **late** round (others are online, but this peer's round formed no verified group) is held, not
@@ -49,19 +43,6 @@ from diloco_swarm.node.outer import OuterOptimizer
 from diloco_swarm.utils.worker import Worker
 
 SYNC_MODES = ("overlap", "blocking")
-
-
-def eager_scale(delta: Sequence[torch.Tensor], average: Sequence[torch.Tensor]) -> float | None:
-    """ρ = ⟨Δ, Δ̄⟩ / ⟨Δ, Δ⟩ over all parameters, clipped to [0, 1]: how much of our own Δ (``delta``)
-    the round's average Δ̄ (``average``) kept, the least-squares fit of Δ̄ on Δ. Both fp32, the
-    parameters' shapes. :returns: None when Δ is zero or the products are not finite."""
-    num = den = 0.0
-    for d, a in zip(delta, average):
-        num += float((d * a).sum(dtype=torch.float64))
-        den += float((d * d).sum(dtype=torch.float64))
-    if not (den > 0.0 and abs(num) < float("inf")):
-        return None
-    return min(1.0, max(0.0, num / den))
 
 
 @dataclass
@@ -165,7 +146,6 @@ class OuterSync:
         self._stop = stop if stop is not None else threading.Event()
         self._worker = Worker("averaging")
         self._pending: _Pending | None = None
-        self.eager_scale = 1.0  # ρ of the next hand-off's eager step (:func:`eager_scale`)
 
     @property
     def in_flight(self) -> bool:
@@ -185,8 +165,7 @@ class OuterSync:
             raise RuntimeError("a round is still in flight")
         estimate = None
         if self.overlap:
-            rho = self.eager_scale
-            estimate = self.outer.preview(handoff.delta if rho == 1.0 else [d * rho for d in handoff.delta])
+            estimate = self.outer.preview(handoff.delta)
             for p, e in zip(self.params, estimate):
                 p.copy_(e.to(device=p.device, dtype=p.dtype))
         control = RoundControl(stop=self._stop)
@@ -219,20 +198,15 @@ class OuterSync:
         return pending.handoff, outcome, pending.estimate
 
     @torch.no_grad()
-    def apply(self, average: Sequence[torch.Tensor], estimate: list[torch.Tensor] | None,
-              delta: Sequence[torch.Tensor] | None = None) -> None:
+    def apply(self, average: Sequence[torch.Tensor], estimate: list[torch.Tensor] | None) -> None:
         """θ_global ← OuterStep(θ_global, average); move θ_local onto the new θ_global.
 
         Overlap: θ_local += θ_global_new − θ̂ (the progress since the hand-off is kept).
         Blocking: θ_local ← θ_global_new.
-        :param delta: our own Δ of this round (the hand-off's): refits ρ (:func:`eager_scale`).
         :raises ValueError: ``average`` does not fit θ_global (nothing changes).
         """
         self.outer.step(average)
         self._move_local(estimate)
-        if delta is not None:
-            rho = eager_scale(delta, average)
-            self.eager_scale = self.eager_scale if rho is None else rho
 
     @torch.no_grad()
     def hold(self, delta: Sequence[torch.Tensor], estimate: list[torch.Tensor] | None) -> None:

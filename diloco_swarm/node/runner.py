@@ -615,7 +615,7 @@ class Node(Startup, StateSync, Mixing):
         elif kept or not carry:
             with self._state_lock:  # a verified average, or our own Δ (alone, unconfirmed, or late too long)
                 self._remember_theta()
-                self.sync.apply(outcome.average, estimate, delta=handoff.delta)
+                self.sync.apply(outcome.average, estimate)
                 self.outer_step += 1
                 self._theta_version += 1
             self.stats.theta_marks.append((self.outer_step, self._global_digest()))
@@ -657,7 +657,6 @@ class Node(Startup, StateSync, Mixing):
             "synced_to": self.outer_step if self.outer_step != round_step else None,
             "peer_id": self.peer_id,
             "sync_mode": self.spec.sync_mode,
-            "eager_scale": round(self.sync.eager_scale, 4) if self.sync.overlap else None,
             "group_size": result.group_size,
             "group": result.group_peer_ids,
             "group_id": result.group_id,
