@@ -9,9 +9,9 @@ the two DHTs share their routing tables, and matchmaking finds the others' group
 A running node can lose live peers too: hivemind's DHT drops a peer from its routing table after
 one call to it that timed out (``DHTProtocol.update_routing_table(responded=False)``, a 3 s limit)
 and bans it from its searches with an exponential back-off (``DHTNode.blacklist``); it has no bucket
-refresh to find it again. On a loaded machine a node lost half of an 8-peer swarm that way, read
-only the records of the other half from then on, and planned its rounds with them: two lineages
-for the rest of the run (``bench scale``, groups of 4). :class:`ReconnectPeers` pings the peers
+refresh to find it again. On a loaded machine four nodes of an 8-peer swarm stopped reading the
+other four's records after a slow averaging window, most likely that way, and planned their rounds
+among themselves: two lineages for the rest of the run (``bench scale``, groups of 4). :class:`ReconnectPeers` pings the peers
 whose records we read recently and that are missing from the routing table or banned, which puts
 them back (:meth:`Node._dht_upkeep`, at most every :data:`REDIAL_EVERY_S`).
 """
