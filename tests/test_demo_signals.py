@@ -24,12 +24,23 @@ DEMO = (
 )
 
 
+def as_from_a_terminal():
+    """In the demo's child, before exec: the signal dispositions of a shell's fresh command. A
+    process inherits ignored signals and the signal mask across exec, and an earlier test of this
+    pytest process may have left SIGINT ignored (hivemind's averager sets SIG_IGN in the process
+    that starts it); Python then installs no Ctrl+C handler at all."""
+    stop = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop)
+    for sig in stop:
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def start_demo(tmp_path, mode):
     log = open(tmp_path / "demo.stderr", "w")
     proc = subprocess.Popen(
         [sys.executable, "-c", DEMO, "demo", "--peers", "2", "--port", "0", "--workdir", str(tmp_path / "work")],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
-        env={**os.environ, "FAKE_NODE_MODE": mode},
+        env={**os.environ, "FAKE_NODE_MODE": mode}, preexec_fn=as_from_a_terminal,
     )
     log.close()
     return proc
