@@ -354,7 +354,7 @@ def _cumulative_at(records: list[dict], t: float, key: str) -> float:
 
 
 def summarize(label: str, swarm: Swarm, names: list[str], t0: float, t_end: float) -> dict:
-    per_node, useful_sum, inner_sum, wall_sum = {}, 0.0, 0.0, 0.0
+    per_node, useful_sum, inner_sum, wall_sum, startup_sum = {}, 0.0, 0.0, 0.0, 0.0
     win_inner, win_useful = 0.0, 0.0
     all_records, syncs, initial, finals, series = [], 0, [], [], {}
     for name in names:
@@ -371,6 +371,10 @@ def summarize(label: str, swarm: Swarm, names: list[str], t0: float, t_end: floa
             inner = last["inner_s"] if last else 0.0
             useful = (last["inner_s"] - last["wasted_inner_s"]) if last else 0.0
             wall = ended - life.launched
+            # launch to the node's start record (the whole life, when it was killed before one)
+            start = next((e for e in events if e.get("event") == "start" and life.launched <= e["time"] <= ended), None)
+            startup = (start["time"] - life.launched) if start else wall
+            startup_sum += startup
             useful_sum += useful
             inner_sum += inner
             wall_sum += wall
@@ -380,7 +384,8 @@ def summarize(label: str, swarm: Swarm, names: list[str], t0: float, t_end: floa
             win_useful += d_inner - d_wasted
             lives.append({"launched": round(life.launched - t0, 1), "ended": round(ended - t0, 1), "how": life.how,
                           "code": life.code, "outer_steps": len(recs), "inner_s": round(inner, 1),
-                          "useful_inner_s": round(useful, 1), "wall_s": round(wall, 1)})
+                          "useful_inner_s": round(useful, 1), "wall_s": round(wall, 1),
+                          "startup_s": round(startup, 1), "startup_phases": (start or {}).get("startup_s")})
         recs = [e for e in events if e.get("event") == "outer_step"]
         all_records += [e for e in recs if e["time"] <= t_end]  # not the rounds cut short by the final SIGINT
         syncs += sum(1 for e in events if e.get("event") == "state_sync")
@@ -419,6 +424,8 @@ def summarize(label: str, swarm: Swarm, names: list[str], t0: float, t_end: floa
         "measured_s": round(window, 1),
         "goodput_overall": useful_sum / wall_sum if wall_sum else None,
         "utilization_overall": inner_sum / wall_sum if wall_sum else None,
+        "startup_s": round(startup_sum, 1),
+        "goodput_once_started": useful_sum / (wall_sum - startup_sum) if wall_sum > startup_sum else None,
         "useful_inner_s": round(useful_sum, 1),
         "inner_s": round(inner_sum, 1),
         "node_wall_s": round(wall_sum, 1),
@@ -533,13 +540,15 @@ def plot(runs: dict[str, dict], path: Path, title: str) -> None:
 
 def results_table(runs: list[dict]) -> str:
     head = (f"| run | goodput (process lives) | compute utilization (process lives) | goodput, window × {N_NODES} slots | "
+            "start-up s (all lives) | goodput once started | "
             "outer steps in window (swarm) | highest outer step | verified / all rounds | failed rounds | "
-            "state syncs | final held-out loss min / mean | graceful-leave exit codes |\n|" + "---|" * 11)
+            "state syncs | final held-out loss min / mean | graceful-leave exit codes |\n|" + "---|" * 13)
     rows = [head]
     for r in runs:
         rows.append(
             f"| {r['label']} | {fmt(r['goodput_overall'])} | {fmt(r['utilization_overall'])} | "
-            f"{fmt(r['window_goodput'])} | {r['outer_steps_in_window']} | {r['swarm_outer_steps']} | "
+            f"{fmt(r['window_goodput'])} | {fmt(r.get('startup_s'), 1)} | {fmt(r.get('goodput_once_started'))} | "
+            f"{r['outer_steps_in_window']} | {r['swarm_outer_steps']} | "
             f"{r['verified_rounds']} / {r['rounds']} | {r['failed_rounds']} | {r['state_syncs']} | "
             f"{fmt(r['final_eval_loss_min'])} / {fmt(r['final_eval_loss_mean'])} | "
             f"{', '.join(f'{k} {v}' for k, v in r['leave_codes'].items()) or '–'} |")
@@ -554,7 +563,9 @@ def headline(calm: dict, churn: dict) -> str:
     dl = (churn["final_eval_loss_mean"] - calm["final_eval_loss_mean"]
           if churn["final_eval_loss_mean"] is not None and calm["final_eval_loss_mean"] is not None else None)
     return (f"**Churn vs calm (same invocation): goodput {fmt(churn['goodput_overall'])} vs "
-            f"{fmt(calm['goodput_overall'])} ({ratio('goodput_overall')}); outer steps in the window "
+            f"{fmt(calm['goodput_overall'])} ({ratio('goodput_overall')}); once started (every life's start-up "
+            f"excluded) {fmt(churn.get('goodput_once_started'))} vs {fmt(calm.get('goodput_once_started'))} "
+            f"({ratio('goodput_once_started')}); outer steps in the window "
             f"{churn['outer_steps_in_window']} vs {calm['outer_steps_in_window']} ({ratio('outer_steps_in_window')}); "
             f"final held-out loss (mean over nodes) {fmt(churn['final_eval_loss_mean'])} vs "
             f"{fmt(calm['final_eval_loss_mean'])} ({'+' if dl is not None and dl >= 0 else ''}{fmt(dl)}).**")
@@ -601,6 +612,11 @@ other and with other jobs, so read the ratios between the two runs, not the abso
   time (launch to exit, imports and start-up included). Inner seconds of an outer step cut short by a
   kill are lost (never in a record). Time a peer is down is in no life's wall time.
 - *compute utilization*: the same with all inner seconds (`inner_s`, applied or not).
+- *start-up s*: Σ over every process life of launch → its `start` record (imports, the DHT, the reachability
+  check, the averager; the record's `startup_s` splits it), or the whole life when it was killed before one.
+  *goodput once started*: goodput with each life's start-up taken out of its wall time: what the kills cost
+  besides restarting processes. On this machine a restart shares the 2 cores with three training peers;
+  a volunteer's restart runs on its own machine.
 - *goodput, window × {N_NODES} slots*: inner seconds whose Δ was applied that the records place inside the
   window, over {N_NODES} × the window: a peer that is down or restarting counts as an idle slot.
 - *outer steps in window (swarm)*: the highest `outer_step` any node had reached (round record or state

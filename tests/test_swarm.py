@@ -48,6 +48,10 @@ def test_three_peers_train_average_and_agree(tmp_path):
             first_eval = node.events("eval")[0]["eval_loss"]
             assert rounds[-1]["eval_loss"] < first_eval - 0.3, (first_eval, rounds[-1]["eval_loss"])
             assert node.events("stop")[-1]["graceful"] is True
+            # the start record says where the start-up went (docs/metrics.md)
+            phases = node.events("start")[0]["startup_s"]
+            assert set(phases) == {"imports", "assets", "dht", "run_spec", "reachability", "averager", "record"}
+            assert phases["imports"] > 0 and all(v >= 0 for v in phases.values()), phases
 
         # Peers that averaged in the same round hold bit-identical θ_global (canonical int8 round).
         # After a failed round each member keeps its θ_global and carries its Δ (a late round); members

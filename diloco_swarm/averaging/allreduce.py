@@ -186,7 +186,35 @@ class ConsensusAllReduceRunner(AllReduceRunner):
             self.stats.failed_values = self.tensor_part_container.failed_size
             if isinstance(e, Exception):
                 logger.debug(f"reducer {peer_id} failed: {e!r}")
+                await self._stop_waiting_for(peer_id)
             raise
+
+    async def _handle_missing_senders(self) -> None:
+        """hivemind's (a sender that has not started within ``sender_timeout`` is banned), but it ends
+        with the round. hivemind's ``run()`` awaits this task after the round has finished, so a member
+        that never sent (a crash; banned meanwhile) held the end of every survivor's round for the
+        whole ``sender_timeout`` although nothing was left to wait for."""
+        started = asyncio.ensure_future(self.all_senders_started.wait())
+        try:
+            await asyncio.wait({started, self._future}, timeout=self.sender_timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            started.cancel()
+        if self.all_senders_started.is_set() or self._future.done():
+            return
+        for peer_id in self.sender_peer_ids:
+            if peer_id not in self.active_senders and peer_id not in self.banned_senders:
+                await self._ban_sender(peer_id)
+
+    async def _stop_waiting_for(self, failed_reducer) -> None:
+        """A member failed as our reducer before it sent us anything as a sender: ban it as a sender now.
+
+        A crash closes its connections, so our call to it fails at once, while hivemind waits its
+        ``sender_timeout`` (10 s) for parts that will never come (``bench.churn``: rounds ended 10 s
+        after a member was killed). Our view of the round is partial from this moment, so no member
+        keeps it (every member must confirm the same average): waiting only delays every member's
+        verdict, and our reduction finishes without it."""
+        if failed_reducer in self.sender_peer_ids and failed_reducer not in self.active_senders:
+            await self._ban_sender(failed_reducer)
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):

@@ -76,6 +76,8 @@ AVOID_REFUSER_S = 300.0  # ... is avoided this long (one refusal can be an hones
 
 AVERAGER_START_TIMEOUT_S = 120.0  # fork, replicate the DHT's libp2p client, register handlers; a busy machine
 INBAND_GRACE_S = 1.0  # members' in-band answers usually arrive within this; the DHT copies are read after it
+GONE_PROBE_EVERY_S = 2.0  # how often a cross-check asks whether its silent members are gone (each ask: a DHT ping)
+GoneProbe = Callable[[Sequence[str]], set]  # gone(peer ids) -> those of them whose process is gone
 RECENT_GROUPS = 8  # rounds whose group may still run its θ-mixing all-reduce (averaging/mixing.py)
 MIX_START_WAIT_S = DIGEST_WAIT_S + 15.0  # a member's mix request waits this long for our own mix to start
 
@@ -117,6 +119,7 @@ class RoundResult:
     rejected_peers: dict[str, str] = field(default_factory=dict)
     digest: str = ""
     agreed_peers: int = 0  # members (besides us) whose published digest matched ours
+    gone_peers: list[str] = field(default_factory=list)  # silent members found gone: not waited for (_cross_check)
     # we published our digest and no member contradicted it, but not all confirmed in time: a member
     # that heard every confirmation may have kept the round (and our Δ in it)
     maybe_kept: bool = False
@@ -558,6 +561,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         online_peers: int | None = None,
         group_bits: str = "",
         group_size: int | None = None,
+        gone: GoneProbe | None = None,
     ) -> tuple[RoundResult, list[torch.Tensor]]:
         """Average ``delta`` with a group of peers; return the verified result.
 
@@ -580,6 +584,9 @@ class PseudoGradientAverager(DecentralizedAverager):
             of a ``grouping.plan_round`` key): only peers with the same bits meet; "" = the run's one key.
         :param group_size: the planned group's size (the leader starts once it is full); None: the
             averager's ``target_group_size``.
+        :param gone: ``gone(peer_ids)`` returns those whose process is gone (bounded in time, never
+            raises); the digest cross-check stops waiting for them (:meth:`_cross_check`). None: wait
+            for every member.
         :returns: the round's result and the Δ to apply: the group's average when ``ok``,
             else a copy of ``delta``.
         """
@@ -637,7 +644,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         problem = self._check_round(stats, local, averaged, weight=float(weight), gathered=gathered)
         if problem is None:
             result.digest = tensors_digest(averaged)
-            problem = self._cross_check(stats, result, digest_wait, stop)
+            problem = self._cross_check(stats, result, digest_wait, stop, gone)
         elif len(stats.group_peer_ids) >= 2:
             self._publish_outcome(stats, FAILED_MARK)  # so the others never keep a partial average
         result.seconds = time.perf_counter() - started
@@ -650,13 +657,14 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     def mix(self, contribution: Sequence[torch.Tensor], *, round_result: RoundResult, weight: float,
             planned_weights: dict[str, float], digest_wait: float = DIGEST_WAIT_S,
-            stop: threading.Event | None = None) -> tuple[RoundResult, list[torch.Tensor]]:
+            stop: threading.Event | None = None, gone: GoneProbe | None = None) -> tuple[RoundResult, list[torch.Tensor]]:
         """θ-mixing (averaging/mixing.py): a second consensus all-reduce in the group of the verified
         round ``round_result``, over ``contribution`` (fp32 CPU tensors: this member's θ differences
         to the plan's reference, then its outer momentum), verified like a round (every part checked,
         every member confirming the same digest).
 
         :param weight: this member's weight in the plan (1 or 0); ``planned_weights`` every member's.
+        :param gone: as in :meth:`average`.
         :returns: the mixing round's result and the mixed tensors (``contribution``'s shapes) when
             ``ok``, else a copy of ``contribution``. Never raises for a failed or silent group.
         """
@@ -686,7 +694,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         problem = self._check_round(stats, local, averaged, weight=1.0, gathered={})  # weights are the plan's: no token scaling
         if problem is None:
             result.digest = tensors_digest(averaged)
-            problem = self._cross_check(stats, result, digest_wait, stop)
+            problem = self._cross_check(stats, result, digest_wait, stop, gone)
         elif len(stats.group_peer_ids) >= 2:
             self._publish_outcome(stats, FAILED_MARK)
         result.seconds = time.perf_counter() - started
@@ -756,12 +764,18 @@ class PseudoGradientAverager(DecentralizedAverager):
         return {p: o for p, o in ((str(k), valid_outcome(v.value)) for k, v in found.value.items()) if p in others and o}
 
     def _cross_check(self, stats: RoundStats, result: RoundResult, digest_wait: float,
-                     stop: threading.Event | None = None) -> str | None:
+                     stop: threading.Event | None = None, gone: GoneProbe | None = None) -> str | None:
         """Every member says the digest of the average it would apply, or "failed"; the round
         counts only when all of them match ours (no member keeps a different value). Members
         are asked in-band first (confirm.py); after ``INBAND_GRACE_S``, the DHT copies stand in
         for those not heard from (clients, peers we cannot dial). A set ``stop`` abandons the
-        round at once (returns "stopping")."""
+        round at once (returns "stopping").
+
+        A member still silent then is asked whether it is there (``gone``, every
+        ``GONE_PROBE_EVERY_S``): one whose process is gone (it crashed after the all-reduce) can
+        keep no other value, so it is no longer waited for (``result.gone_peers``). Our view of the
+        all-reduce was complete, so it had sent all its parts. Without this the others waited out
+        the whole digest wait and then dropped the round (``bench.churn``: two survivors, 15 s each)."""
         others = set(stats.group_peer_ids) - {self.peer_id.to_base58()}
         self._publish_outcome(stats, result.digest)
         result.maybe_kept = True  # every way out but a contradiction leaves open that a member kept the round
@@ -769,6 +783,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         deadline = started + digest_wait
         asking = self._ask_members(stats, others, digest_wait)
         outcomes: dict[str, str] = {}
+        next_probe = started + INBAND_GRACE_S
         while True:
             if asking is not None and asking.done():
                 with contextlib.suppress(Exception):  # the averager failed to ask: the DHT copies stand in
@@ -787,6 +802,13 @@ class PseudoGradientAverager(DecentralizedAverager):
             if now > deadline:
                 silent = sorted(others - set(outcomes))
                 return f"members did not confirm the average within {digest_wait:.0f}s: " + ", ".join(silent)
+            if gone is not None and now >= next_probe:
+                next_probe = now + GONE_PROBE_EVERY_S
+                left = gone(sorted(others - set(outcomes))) & others
+                if left:
+                    others -= left
+                    result.gone_peers = sorted({*result.gone_peers, *left})
+                    continue  # judged again at once: the members still there may all have confirmed
             if asking is None or now - started > INBAND_GRACE_S:
                 try:
                     outcomes = {**self._read_outcomes(stats, others, max(1.0, deadline - now), stop), **outcomes}

@@ -197,9 +197,9 @@ def _withholding_averager(marker: Path) -> type:
     from diloco_swarm.averaging.averager import PseudoGradientAverager
 
     class WithholdingAverager(PseudoGradientAverager):
-        def _cross_check(self, stats, result, digest_wait, stop=None):
+        def _cross_check(self, stats, result, digest_wait, stop=None, gone=None):
             marker.touch()  # confirm late: the others wait in their cross-check meanwhile
             (stop or threading.Event()).wait(WITHHOLD_DIGEST_S)
-            return super()._cross_check(stats, result, digest_wait, stop)
+            return super()._cross_check(stats, result, digest_wait, stop, gone)
 
     return _on_the_wire_as(WithholdingAverager, PseudoGradientAverager)

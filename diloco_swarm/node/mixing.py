@@ -106,7 +106,7 @@ class Mixing:
             theta_next, momentum_next = self.outer.preview_state(average)
         contribution = [t - r for t, r in zip(theta_next, reference)] + momentum_next
         mixing, mixed = self.averager.mix(contribution, round_result=result, weight=plan.weights[self.peer_id],
-                                          planned_weights=plan.weights, stop=control.stop)
+                                          planned_weights=plan.weights, stop=control.stop, gone=self._gone_members)
         if not mixing.ok:
             self.status.log(f"θ-mixing with the group failed ({mixing.reason}); comparing θ_global instead")
             return None, mixing

@@ -104,11 +104,12 @@ class ReconnectPeers:
 class ProbePeers:
     """DHT coroutine: which of ``peers`` (peer ids) are gone: their ping failed within ``timeout`` s
     (refused: the process is gone; no route), or it still runs then and the DHT's blacklist already
-    bans them (a call to them failed lately). A ping that answers lifts a ban; one still running
-    after ``timeout`` says nothing of a peer not banned (a slow peer): it is not reported."""
+    bans them (a call to them failed lately; only when ``banned_is_gone``). A ping that answers lifts
+    a ban; one still running after ``timeout`` says nothing of a peer not banned (a slow peer): it is
+    not reported."""
 
-    def __init__(self, peers: Sequence[str], timeout: float):
-        self.peers, self.timeout = list(peers), timeout
+    def __init__(self, peers: Sequence[str], timeout: float, banned_is_gone: bool = True):
+        self.peers, self.timeout, self.banned_is_gone = list(peers), timeout, banned_is_gone
 
     async def __call__(self, _dht, node) -> list[str]:
         import asyncio
@@ -124,7 +125,7 @@ class ProbePeers:
             try:
                 answered = await asyncio.wait_for(node.protocol.call_ping(peer_id), self.timeout) is not None
             except asyncio.TimeoutError:
-                return banned
+                return banned and self.banned_is_gone
             if answered and banned:
                 node.blacklist.register_success(peer_id)
             return not answered
@@ -134,14 +135,14 @@ class ProbePeers:
 
 
 def gone_peers(dht, peers: Sequence[str], timeout: float = PROBE_TIMEOUT_S,
-               stop: threading.Event | None = None) -> set[str]:
+               stop: threading.Event | None = None, banned_is_gone: bool = True) -> set[str]:
     """The ``peers`` whose process is gone (:class:`ProbePeers`), all probed at once; bounded by
     ``timeout`` + 2 s; never raises. :returns: their peer ids (empty on any trouble)."""
     if not peers:
         return set()
     try:
-        return set(dht_run(dht, ProbePeers(peers, timeout), timeout=timeout + 2.0, what="probing the round's peers",
-                           stop=stop))
+        return set(dht_run(dht, ProbePeers(peers, timeout, banned_is_gone), timeout=timeout + 2.0,
+                           what="probing the round's peers", stop=stop))
     except Exception as e:
         logger.debug(f"probing {len(peers)} peers failed: {e}")
         return set()

@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -482,8 +482,17 @@ class Node(Startup, StateSync, Mixing):
             self._contribution(handoff.delta), weight=max(handoff.tokens, 1), metadata=self._round_metadata(handoff),
             timeout=self.cfg.averaging_window, stop=control.stop, give_up=control.give_up, digest_wait=DIGEST_WAIT_S,
             scheduled_time=start, online_peers=len((set(records) | {self.peer_id}) - gone),
-            group_bits=group_bits(key) if grid else "", group_size=max(2, len(members)))
+            group_bits=group_bits(key) if grid else "", group_size=max(2, len(members)), gone=self._gone_members)
         return result, average, not others, key if grid else ""
+
+    def _gone_members(self, peers: Sequence[str]) -> set[str]:
+        """Those of a round's ``peers`` whose process is gone (``node/redial.py: ProbePeers``), for the
+        digest cross-check. Only peers whose records say they serve DHT calls are asked (a client's ping
+        fails although it is there), and only a failed ping counts: one that hangs while our DHT bans
+        the peer may be a slow member that still confirms."""
+        records = {p: r for p, (_, r) in self._grid_records.items()}
+        askable = [p for p in peers if p in records and records[p].reachability != "client"]
+        return gone_peers(self.dht, askable, stop=self.stop.event, banned_is_gone=False)
 
     def _read_records(self) -> dict[str, Any]:
         """The run's signed peer records, read once per round (dht/records.py).
@@ -674,6 +683,7 @@ class Node(Startup, StateSync, Mixing):
             "reason": result.reason,
             "rejected_peers": result.rejected_peers,
             "digest_confirmed_by": result.agreed_peers,
+            "gone_peers": result.gone_peers + (mixing.gone_peers if mixing else []),
             "group_key": outcome.group_key or None,
             "mixed": outcome.mixed is not None,
             "mix_reference_step": outcome.mixed.reference_step if outcome.mixed else None,

@@ -8,8 +8,10 @@ before the network is touched.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +28,17 @@ from diloco_swarm.node.statesync import theta_digest
 MIN_INNER_STEPS_FRACTION = 0.25  # DyLU range: a phase plans H/4 .. 2H inner steps
 MAX_INNER_STEPS_FACTOR = 2
 ROUND_MARGIN_S = 30.0  # past the round's own time bounds, a phase gives the round up
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc), i.e. the interpreter and the imports
+    before the node's own start-up; None where /proc is not there."""
+    try:
+        started_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+        return round(uptime_s - started_ticks / os.sysconf("SC_CLK_TCK"), 3)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def pick_device(name: str) -> torch.device:
@@ -50,6 +63,15 @@ class Startup:
         from diloco_swarm.dht.swarm import StateDirLock, ensure_run_spec, start_dht, visible_maddrs
 
         cfg, spec = self.cfg, self.spec
+        phases = self.startup_s = {"imports": process_age_s()}  # seconds per start-up phase, in the start record
+        mark = time.monotonic()
+
+        def phase(name: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            phases[name] = round(now - mark, 3)
+            mark = now
+
         self.device = pick_device(cfg.device)
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
@@ -73,6 +95,7 @@ class Startup:
 
         self.model = self.assets.model.to(self.device)
         self.assets.save_for_export(cfg.state_dir)
+        phase("assets")
         if spec.seq_len > self.model.config.block_size:
             raise NodeError(
                 f"--seq-len {spec.seq_len} exceeds the '{spec.model}' model's context of {self.model.config.block_size}"
@@ -107,8 +130,12 @@ class Startup:
         self.dht = self._start_dht_or_rejoin(dht_args)
         cfg = self.cfg  # its initial peers may now be the known peers we rejoined through
         self.peer_id = self.dht.peer_id.to_base58()
+        phase("dht")
         ensure_run_spec(self.dht, spec, joining=bool(cfg.initial_peers))
-        if self._detect_reachability() == "unreachable":
+        phase("run_spec")
+        reachable = self._detect_reachability()
+        phase("reachability")
+        if reachable == "unreachable":
             # Behind NAT: a full peer would break every group it joins. Restart the DHT as a client.
             self.dht.shutdown()
             self.client_mode, self.reachability = True, "client"
@@ -129,11 +156,13 @@ class Startup:
         )
         if not self.client_mode:
             self.averager.state_sharing_priority = self._donor_priority()
+        phase("averager")
         addrs = self.maddrs = visible_maddrs(self.dht)
         save_port(cfg.state_dir, addrs)  # (a client has none: nobody dials it)
         self.records = PeerRecordPublisher(self.dht, spec.run_id, validators, self._record_snapshot, interval_s=5.0,
                                            updated_path=cfg.state_dir / "record.updated")
         self.records.start()
+        phase("record")
         self.status.log(
             f"peer {self.peer_id} | run '{spec.run_id}' | model {spec.model} "
             f"({num_parameters(self.model) / 1e6:.2f}M params) on {self.device} | data {self.assets.description}"
@@ -154,6 +183,7 @@ class Startup:
                 "maddrs": addrs,
                 "device": str(self.device),
                 "outer_step": self.outer_step,
+                "startup_s": phases,
             }
         )
 

@@ -1,0 +1,97 @@
+"""A member that crashes after the all-reduce, before confirming the average: three real averagers
+over 127.0.0.1.
+
+A crash (the whole peer: its p2p daemon dies with it) makes its ping fail at once. The survivors
+must not wait out the digest wait meant for slow members (``bench.churn``: two survivors waited
+15 s each, then dropped the round). The crash is SIGKILL of the member's averager process, its DHT
+process and their p2pd, as ``bench.churn`` kills whole peers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from bench.procs import process_tree
+from diloco_swarm.averaging.averager import PseudoGradientAverager
+from diloco_swarm.dht.swarm import start_dht, visible_maddrs
+from diloco_swarm.node.redial import gone_peers
+
+SHAPES = [(1024, 256), (256,)]
+SLOW_MEMBER_S = 120.0  # the time bounds for slow members in these tests: a survivor that waits them out fails
+
+
+def _crash(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class CrashAfterAllReduce(PseudoGradientAverager):
+    """Crashes (its averager process, its DHT process and their p2pd) once its all-reduce is done,
+    before confirming the average."""
+
+    crash_pids: list[int] = []
+
+    def _cross_check(self, stats, result, digest_wait, stop=None, gone=None):
+        _crash([self.pid, *self.crash_pids])
+        return "crashed"
+
+
+CrashAfterAllReduce.__name__ = CrashAfterAllReduce.__qualname__ = PseudoGradientAverager.__name__  # RPC names follow it
+
+
+def _delta(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [1e-2 * torch.randn(s, generator=g) for s in SHAPES]
+
+
+def _round_of_three(crashing: type):
+    """Survivors A and B and the failing member C average once; returns (A's and B's results, C)."""
+    dhts = [start_dht(initial_peers=[], host="127.0.0.1", port=0)]
+    dhts += [start_dht(initial_peers=visible_maddrs(dhts[0]), host="127.0.0.1", port=0) for _ in range(2)]
+    crash_pids = process_tree(dhts[2].pid)  # C's DHT process and its p2pd
+    CrashAfterAllReduce.crash_pids = crash_pids
+    kwargs = dict(prefix="crashed-member", target_group_size=3, matchmaking_time=3.0,
+                  allreduce_timeout=SLOW_MEMBER_S, next_chunk_timeout=SLOW_MEMBER_S / 2)
+    averagers = [PseudoGradientAverager([torch.zeros(s) for s in SHAPES], dht, **kwargs) for dht in dhts[:2]]
+    averagers.append(crashing([torch.zeros(s) for s in SHAPES], dhts[2], **kwargs))
+    results: list = [None] * 3
+
+    def run(i: int) -> None:
+        gone = (lambda peers: gone_peers(dhts[i], peers, banned_is_gone=False)) if i < 2 else None
+        results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={}, timeout=30.0,
+                                          digest_wait=SLOW_MEMBER_S, group_size=3, gone=gone)[0]
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + SLOW_MEMBER_S
+        for t in threads[:2]:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        assert results[0] is not None and results[1] is not None, "a survivor waited out the bound for slow members"
+        return results[:2], averagers[2]
+    finally:
+        for part in averagers:
+            part.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_survivors_keep_a_round_whose_member_crashed_before_confirming():
+    (a, b), crashed = _round_of_three(CrashAfterAllReduce)
+    crashed_id = crashed.peer_id.to_base58()
+    assert a.group_size == b.group_size == 3, (a.reason, b.reason)
+    assert a.ok and b.ok, (a.reason, b.reason)
+    assert a.digest == b.digest  # one average kept by both survivors
+    assert a.gone_peers == b.gone_peers == [crashed_id]
+    assert a.agreed_peers == b.agreed_peers == 1
