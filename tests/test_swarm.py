@@ -50,7 +50,7 @@ def test_three_peers_train_average_and_agree(tmp_path):
             assert node.events("stop")[-1]["graceful"] is True
             # the start record says where the start-up went (docs/metrics.md)
             phases = node.events("start")[0]["startup_s"]
-            assert set(phases) == {"imports", "assets", "dht", "run_spec", "reachability", "averager", "record"}
+            assert set(phases) == {"imports", "assets", "training_state", "dht", "run_spec", "reachability", "averager", "record"}
             assert phases["imports"] > 0 and all(v >= 0 for v in phases.values()), phases
 
         # Peers that averaged in the same round hold bit-identical θ_global (canonical int8 round).

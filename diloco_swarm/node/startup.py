@@ -127,6 +127,7 @@ class Startup:
         # --port 0: our last run's port when it is free, so the addresses other peers keep for us stay valid
         dht_args = dict(host=cfg.host, port=cfg.port or previous_port(cfg.state_dir, cfg.host), announce=cfg.announce,
                         identity_path=cfg.state_dir / "identity.key", record_validators=validators)
+        phase("training_state")
         self.dht = self._start_dht_or_rejoin(dht_args)
         cfg = self.cfg  # its initial peers may now be the known peers we rejoined through
         self.peer_id = self.dht.peer_id.to_base58()
