@@ -643,7 +643,11 @@ outer-step records per life and state syncs:
 
 {chr(10).join(f"- {n}: " + "; ".join(f"{l['launched']}–{l['ended']} s {l['how']}"
                                      + (f" (code {l['code']})" if l['code'] not in (None, 0) and l['how'] != 'killed' else "")
-                                     + f", {l['outer_steps']} steps" for l in v['lives'])
+                                     + f", {l['outer_steps']} steps"
+                                     + (f", start-up {l['startup_s']} s" if l.get('startup_s') is not None else "")
+                                     + (" (" + ", ".join(f"{k} {x:.1f}" for k, x in l['startup_phases'].items()
+                                                         if isinstance(x, (int, float)) and x >= 0.5) + ")"
+                                        if l.get('startup_phases') else "") for l in v['lives'])
                 + (f"; syncs: " + ", ".join(f"{x['reason']} {x['from_outer_step']}→{x['outer_step']} at {x['t']} s"
                                            for x in v['state_syncs']) if v['state_syncs'] else "")
                 for n, v in churn['nodes'].items())}
@@ -668,7 +672,9 @@ def upsert_main_section(data: dict, path: Path, prov: str) -> None:
                f"seeded kill/restart schedule ({len(data['schedule'])} SIGKILLs of a whole node, each restarted "
                f"~{data['schedule_params']['down']:.0f} s later). Definitions, the schedule, per-node lives and "
                f"the plot: [benchmarks-churn.md](benchmarks-churn.md).\n\n"
-               f"{results_table([calm, churn])}\n{headline(calm, churn)}\n\n{prov}<!-- /bench:churn -->\n")
+               f"{results_table([calm, churn])}\n{headline(calm, churn)}\n\n"
+               + "".join(f"*Note:* {note}\n\n" for note in data.get("notes", []))  # a reading, added to the JSON afterwards
+               + f"{prov}<!-- /bench:churn -->\n")
     text = MAIN_DOC.read_text() if MAIN_DOC.exists() else ""
     m = re.search(r"<!-- bench:churn size=(\w+) -->\n.*?<!-- /bench:churn -->\n", text, re.S)
     if m and m[1] == "full" and size != "full":
