@@ -208,8 +208,8 @@ class ConsensusAllReduceRunner(AllReduceRunner):
     async def _stop_waiting_for(self, failed_reducer) -> None:
         """A member failed as our reducer before it sent us anything as a sender: ban it as a sender now.
 
-        A crash closes its connections, so our call to it fails at once, while hivemind waits its
-        ``sender_timeout`` (10 s) for parts that will never come (``bench.churn``: rounds ended 10 s
+        A crash closes its connections, so our call to it usually fails at once, while hivemind waits
+        its ``sender_timeout`` (10 s) for parts that will never come (``bench.churn``: rounds ended 10 s
         after a member was killed). Our view of the round is partial from this moment, so no member
         keeps it (every member must confirm the same average): waiting only delays every member's
         verdict, and our reduction finishes without it."""
