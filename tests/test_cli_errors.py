@@ -47,6 +47,9 @@ def _cases(root, busy_port):
     corrupt_dir = root / "state-corrupt"
     corrupt_dir.mkdir()
     (corrupt_dir / "checkpoint.pt").write_bytes(CORRUPT_BYTES)
+    bad_identity = root / "state-bad-identity"
+    bad_identity.mkdir()
+    (bad_identity / "identity.key").write_bytes(b"garbage\n")
     return {
         "peers-garbage": (["--initial-peers", "garbage"], ["--initial-peers", "'garbage'", "not a multiaddr"]),
         "peers-no-p2p": (["--initial-peers", "/ip4/127.0.0.1/tcp/1"], ["'/ip4/127.0.0.1/tcp/1'", "/p2p/"]),
@@ -60,6 +63,8 @@ def _cases(root, busy_port):
             ["--state-dir", str(corrupt_dir)],
             [str(corrupt_dir / "checkpoint.pt"), "corrupt", "start fresh"],
         ),
+        "identity-corrupt": (["--state-dir", str(bad_identity)],
+                             [str(bad_identity / "identity.key"), "not a libp2p private key", "move it away"]),
         "state-dir-under-a-file": (["--state-dir", str(root / "a-file" / "state")],
                                    [str(root / "a-file" / "state"), "is not writable", "--state-dir"]),
         # the kernel refuses new files in /proc even to root: a state dir that exists but is read-only
@@ -125,6 +130,7 @@ CASE_NAMES = [
     "host-not-an-ip",
     "host-not-local",
     "checkpoint-corrupt",
+    "identity-corrupt",
     "state-dir-under-a-file",
     "state-dir-read-only",
     "model-unknown",

@@ -230,6 +230,9 @@ def start_dht(
         )
     if "address already in use" in text:
         raise SwarmError(f"port {port} is already in use; pick another with --port")
+    if identity_path is not None and "cannot parse invalid wire-format data" in text:  # p2pd's protobuf error
+        raise SwarmError(f"{identity_path} is not a libp2p private key (corrupt or truncated); move it away to start "
+                         "with a new peer id, or restore it from a backup")
     explained = explain_dht_error(text)
     if explained is not None:
         raise SwarmError(explained)
