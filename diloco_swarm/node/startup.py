@@ -63,7 +63,7 @@ class Startup:
         from diloco_swarm.dht.swarm import StateDirLock, ensure_run_spec, start_dht, visible_maddrs
 
         cfg, spec = self.cfg, self.spec
-        phases = self.startup_s = {"imports": process_age_s()}  # seconds per start-up phase, in the start record
+        phases = {"imports": process_age_s()}  # seconds per start-up phase, in the start record
         mark = time.monotonic()
 
         def phase(name: str) -> None:
