@@ -490,8 +490,8 @@ class Node(Startup, StateSync, Mixing):
         digest cross-check. Only peers whose records say they serve DHT calls are asked (a client's ping
         fails although it is there), and only a failed ping counts: one that hangs while our DHT bans
         the peer may be a slow member that still confirms."""
-        records = {p: r for p, (_, r) in self._grid_records.items()}
-        askable = [p for p in peers if p in records and records[p].reachability != "client"]
+        seen = self._grid_records  # peer id -> (when read, its record): the records _plan_round read
+        askable = [p for p in peers if p in seen and seen[p][1].reachability != "client"]
         return gone_peers(self.dht, askable, stop=self.stop.event, banned_is_gone=False)
 
     def _read_records(self) -> dict[str, Any]:
