@@ -51,6 +51,9 @@ CASES = {
     "peers-garbage": (["--initial-peers", "garbage"], ["'garbage'", "not a multiaddr"]),
     "peers-bad-port": (["--initial-peers", "/ip4/1.2.3.4/tcp/99999/p2p/QmX"], ["tcp/99999", "not a multiaddr"]),
     "peers-bad-ip": (["--initial-peers", "/ip4/1.2.3/tcp/5/p2p/QmX"], ["'/ip4/1.2.3/tcp/5/p2p/QmX'", "not a multiaddr"]),
+    "peers-cut-peer-id": (["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmcaAm1dbxe3yDbWTLWVedDN8xTYf3NXS6TCfAyaMH5dc"],
+                          ["p2p/QmcaAm1dbxe3yDbWTLWVedDN8xTYf3NXS6TCfAyaMH5dc'", "not a multiaddr"]),
+    "peers-bad-peer-id": (["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmNotARealPeer"], ["not a multiaddr"]),
     "peers-no-p2p": (["--initial-peers", "/ip4/127.0.0.1/tcp/1"], ["'/ip4/127.0.0.1/tcp/1'", "/p2p/PEER_ID"]),
     "announce-bad": (["--announce", "203.0.113.5:31337"], ["--announce", "'203.0.113.5:31337'", "not a multiaddr"]),
     "announce-bad-ip": (["--announce", "/ip4/203.0.113/tcp/5"], ["--announce", "not a multiaddr"]),
@@ -133,6 +136,17 @@ def test_addresses_the_node_accepts_pass_the_quick_check():
                  "/ip4/1.2.3.4/udp/5/quic-v1", "/ip4/203.0.113.5/tcp/31337", "/unix/tmp/p2pd.sock", "/ip4/1.2.3.4/tcp/5/"]:
         Multiaddr(addr)  # hivemind's parser accepts it...
         assert not is_malformed_multiaddr(addr), addr  # ...so the quick check must too
+    # every peer id one edit away from a real one: the quick check refuses only what hivemind refuses
+    alphabet = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+    edits = {peer[:i] + peer[i + 1:] for i in range(len(peer))} | {peer[:i] + c + peer[i + 1:] for i in (0, 1, 2, 45)
+                                                                   for c in alphabet} | {"1" + peer[1:], "z" + peer, "a"}
+    for edited in sorted(edits):
+        addr = f"/ip4/127.0.0.1/tcp/1/p2p/{edited}"
+        try:
+            Multiaddr(addr)
+        except Exception:
+            continue
+        assert not is_malformed_multiaddr(addr), addr
 
 
 def test_no_torch_jit_warning_before_a_commands_output():

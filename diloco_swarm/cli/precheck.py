@@ -25,8 +25,20 @@ def _port(value: str) -> None:
         raise ValueError(value)
 
 
+_BASE58 = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
+# first characters of a CIDv1 string (multibase codes, as hivemind's multiaddr parser reads them)
+_MULTIBASE_CODES = frozenset("0679fFvVtTbBcChkKZzmMuU")
+
+
 def _peer_id(value: str) -> None:
+    """A peer id hivemind's parser (``multiaddr/codecs/cid.py``) would certainly refuse: the
+    ``Qm...`` form every node prints is 46 base58 characters; any other form is a CIDv0 with the
+    identity hash (it starts with ``1``) or a CIDv1 that opens with a multibase code."""
     if not value.isalnum() or not value.isascii():
+        raise ValueError(value)
+    if value.startswith("Qm") and (len(value) != 46 or not _BASE58.issuperset(value)):
+        raise ValueError(value)  # a truncated or mistyped id
+    if not value.startswith(("Qm", "1")) and value[0] not in _MULTIBASE_CODES:
         raise ValueError(value)
 
 
