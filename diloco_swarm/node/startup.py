@@ -164,6 +164,8 @@ class Startup:
                                            updated_path=cfg.state_dir / "record.updated")
         self.records.start()
         phase("record")
+        if self.stop.requested:  # a stop came while we started: no banner, no start record (Node._start says so)
+            return
         self.status.log(
             f"peer {self.peer_id} | run '{spec.run_id}' | model {spec.model} "
             f"({num_parameters(self.model) / 1e6:.2f}M params) on {self.device} | data {self.assets.description}"
