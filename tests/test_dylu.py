@@ -52,14 +52,14 @@ def test_a_running_swarm_waits_neither_for_a_starting_peer_nor_for_one_that_cras
 
 def test_a_record_that_stops_changing_counts_as_silent_from_the_first_read_of_it():
     p = Node.__new__(Node)
-    p._heard, p.swarm_inner_step_s, p.swarm_phase_eta, p.peer_id = {}, None, None, "me"
-    rec = lambda updated, serves=True: SimpleNamespace(  # noqa: E731
-        updated=updated, inner_step_s=0.1, phase_eta=0.0, serves_calls=serves, maddrs=["/ip4/127.0.0.1/tcp/1"])
-    p._note_swarm({"a": rec(5.0), "b": rec(7.0), "me": rec(1.0), "client": rec(2.0, serves=False)})
-    assert sorted(p._dialable_peers()) == ["a", "b"]  # the peers the DHT should keep (node/redial.py)
-    t_first = p._heard["a"].since
+    p._heard, p._recent_peers, p.swarm_inner_step_s, p.swarm_phase_eta, p.peer_id = {}, {}, None, None, "me"
+    rec = lambda updated: SimpleNamespace(updated=updated, inner_step_s=0.1, phase_eta=0.0,  # noqa: E731
+                                          reachability="public", maddrs=["/ip4/127.0.0.1/tcp/1"])
+    p._note_swarm({"a": rec(5.0), "b": rec(7.0), "me": rec(1.0)})
+    assert sorted(p._recent_peers) == ["a", "b"]  # the peers the DHT should keep (node/redial.py)
+    t_first = p._heard["a"][1]
     p._note_swarm({"a": rec(5.0), "b": rec(8.0)})  # a: the same record (silent); b: re-signed
-    assert p._heard["a"].since == t_first and p._heard["b"].updated == 8.0
+    assert p._heard["a"][1] == t_first and p._heard["b"][0] == 8.0
     p._note_swarm({"b": rec(9.0)})  # a's record expired from the DHT: still silent since the first read
-    assert p._heard["a"].since == t_first and p._silent_s("a", t_first + 12.0) == 12.0
-    assert "a" in p._dialable_peers()  # gone from the read, still pinged for a while: the DHT may have dropped it
+    assert p._heard["a"][1] == t_first and p._silent_s("a", t_first + 12.0) == 12.0
+    assert "a" in p._recent_peers  # gone from the read, still pinged for a while: the DHT may have dropped it

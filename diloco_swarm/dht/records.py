@@ -139,11 +139,6 @@ class PeerRecord(pv1.BaseModel):
     class Config:
         extra = pv1.Extra.forbid
 
-    @property
-    def serves_calls(self) -> bool:
-        """Whether this peer accepts connections: a client cannot be dialed, pinged or asked anything."""
-        return self.reachability != "client"
-
 
 class PeerRecordsSchema(pv1.BaseModel):
     """The DHT key ``{run_id}_peers``: owner public key -> record (``None`` = the peer said goodbye)."""

@@ -33,40 +33,29 @@ PROBE_TIMEOUT_S = 1.0  # a ping that fails within this long means the peer is go
 RECONNECT_MAX_DIALS = 8  # peers one ReconnectPeers pass dials (the others wait for the next pass)
 
 
-async def _connect_and_ping(node, peer_id, maddrs: Sequence[str], timeout: float) -> bool:
-    """Connect the p2p daemon to ``peer_id`` through the first of ``maddrs`` that works (it may have
-    dropped the connection), then ping the peer over the DHT protocol, which adds a peer that answers
-    to the routing table (hivemind's ``DHTProtocol.call_ping``). Each step at most ``timeout`` s.
-    :returns: whether it answered. :raises asyncio.TimeoutError: the ping did not end in time."""
-    import asyncio
-
-    from hivemind.utils.multiaddr import Multiaddr
-
-    for addr in maddrs:
-        with contextlib.suppress(Exception):  # a malformed address, or one that does not answer: the next
-            maddr = Multiaddr(addr)
-            await asyncio.wait_for(node.p2p._client.connect(
-                peer_id, [maddr.decapsulate(f"/p2p/{peer_id}") if "/p2p/" in addr else maddr]), timeout)
-            break
-    return await asyncio.wait_for(node.protocol.call_ping(peer_id), timeout) is not None
-
-
 class DialPeers:
     """DHT coroutine (runs in the DHT process): connect to and ping each multiaddr, so the DHT adds
-    those peers to its routing table. Returns how many answered."""
+    those peers to its routing table (hivemind's ``DHTProtocol.call_ping``). Returns how many answered."""
 
     def __init__(self, maddrs: Sequence[str], timeout: float = DIAL_TIMEOUT_S):
         self.maddrs, self.timeout = list(maddrs), timeout
 
     async def __call__(self, _dht, node) -> int:
+        import asyncio
+
         from hivemind.p2p import PeerID
         from hivemind.utils.multiaddr import Multiaddr
 
         answered: set[str] = set()
         for addr in self.maddrs:
             try:
-                peer_id = PeerID.from_base58(Multiaddr(addr).value_for_protocol("p2p"))
-                if str(peer_id) not in answered and await _connect_and_ping(node, peer_id, [addr], self.timeout):
+                maddr = Multiaddr(addr)
+                peer_id = PeerID.from_base58(maddr.value_for_protocol("p2p"))
+                if str(peer_id) in answered:
+                    continue
+                await asyncio.wait_for(node.p2p._client.connect(peer_id, [maddr.decapsulate(f"/p2p/{peer_id}")]),
+                                       self.timeout)
+                if await asyncio.wait_for(node.protocol.call_ping(peer_id), self.timeout) is not None:
                     answered.add(str(peer_id))
             except Exception:
                 continue  # that peer is still away; try the others
@@ -83,7 +72,10 @@ class ReconnectPeers:
         self.peers, self.timeout, self.max_dials = {p: list(a) for p, a in peers.items()}, timeout, max_dials
 
     async def __call__(self, _dht, node) -> tuple[int, int]:
+        import asyncio
+
         from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
 
         missing = answered = 0
         for peer, maddrs in self.peers.items():
@@ -92,7 +84,16 @@ class ReconnectPeers:
                 if peer_id == node.peer_id or (peer_id in node.protocol.routing_table and peer_id not in node.blacklist):
                     continue
                 missing += 1
-                if missing <= self.max_dials and await _connect_and_ping(node, peer_id, maddrs[:2], self.timeout):
+                if missing > self.max_dials:
+                    continue
+                for addr in maddrs[:2]:  # the p2p daemon may have dropped the connection too
+                    maddr = Multiaddr(addr)
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(node.p2p._client.connect(
+                            peer_id, [maddr.decapsulate(f"/p2p/{peer_id}") if "/p2p/" in addr else maddr]),
+                            self.timeout)
+                        break
+                if await asyncio.wait_for(node.protocol.call_ping(peer_id), self.timeout) is not None:
                     node.blacklist.register_success(peer_id)
                     answered += 1
             except Exception:

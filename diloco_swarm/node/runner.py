@@ -23,7 +23,6 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -58,7 +57,7 @@ MAX_CARRIED_ROUNDS = 2  # a peer late this many rounds in a row applies its carr
 GRID_DIMS_GUESS = 3  # with --target-group-size set, keep mixing references for a grid this deep until one is planned
 SILENT_RECORDS = 2  # a peer whose record missed this many re-signing periods (as we read it) crashed
 GRID_MEMORY_S = 20.0  # a peer whose record a read missed stays in the round's grid this long (a partial read under load)
-HEARD_MEMORY_S = 120.0  # how long we remember a peer whose record we read
+HEARD_MEMORY_S = 120.0  # how long we remember when a peer's record last changed
 
 
 def seconds_to_handoff(phase_eta: float, now: float, *, silent_s: float, max_silent_s: float,
@@ -78,17 +77,6 @@ def seconds_to_handoff(phase_eta: float, now: float, *, silent_s: float, max_sil
     if (phase_eta <= 0.0 and not first_round) or silent_s > max_silent_s:
         return math.inf
     return phase_eta - now if phase_eta > 0.0 else 0.0
-
-
-@dataclass(frozen=True)
-class Heard:
-    """What a peer's records told us lately (``Node._note_swarm``; read on the averaging and
-    housekeeping threads, so an entry is replaced whole, never changed)."""
-
-    updated: float  # the record's ``updated`` we read last
-    since: float  # time.monotonic() of our first read of that value: the record has been silent since
-    read: float  # time.monotonic() of our last read of the record
-    maddrs: list[str]  # where to dial the peer ([] for a client, and for ourselves)
 
 
 class StopFlag:
@@ -162,7 +150,8 @@ class Node(Startup, StateSync, Mixing):
         # earlier θ_global states: θ-mixing references (node/mixing.py); a set group size plans a grid from the start
         self._history_floor = history_length(GRID_DIMS_GUESS) if config.target_group_size else 1
         self._grid_records: dict[str, tuple[float, Any]] = {}  # peer id -> (time.monotonic() seen, its record)
-        self._heard: dict[str, Heard] = {}  # peer id -> what its records told us lately (_note_swarm)
+        self._heard: dict[str, tuple[float, float]] = {}  # peer id -> (its record's `updated`, time.monotonic() we first read it)
+        self._recent_peers: dict[str, tuple[float, list[str]]] = {}  # full peer id -> (time.monotonic() read, its maddrs)
         self._last_reconnect = 0.0  # time.monotonic() of the last ReconnectPeers pass
         self._reconnecting = None  # its future: one pass at a time
         self.history = ThetaHistory(self._history_floor)
@@ -502,7 +491,7 @@ class Node(Startup, StateSync, Mixing):
         fails although it is there), and only a failed ping counts: one that hangs while our DHT bans
         the peer may be a slow member that still confirms."""
         seen = self._grid_records  # peer id -> (when read, its record): the records _plan_round read
-        askable = [p for p in peers if p in seen and seen[p][1].serves_calls]
+        askable = [p for p in peers if p in seen and seen[p][1].reachability != "client"]
         return gone_peers(self.dht, askable, stop=self.stop.event, banned_is_gone=False)
 
     def _read_records(self) -> dict[str, Any]:
@@ -552,7 +541,7 @@ class Node(Startup, StateSync, Mixing):
         _, members = plan.group_of(self.peer_id)
         # a member that crashed moments ago still has a fresh record: ask whether it is there before
         # the round waits for it (clients serve no DHT calls: they cannot be asked)
-        gone = gone_peers(self.dht, [p for p in members if p != self.peer_id and others[p].serves_calls],
+        gone = gone_peers(self.dht, [p for p in members if p != self.peer_id and others[p].reachability != "client"],
                           stop=self.stop.event)
         if gone and len(plan.groups) == 1:  # (a grid stays as the others see it: they may not know yet)
             etas.update((p, math.inf) for p in gone)
@@ -570,7 +559,7 @@ class Node(Startup, StateSync, Mixing):
         if not self.client_mode or self.averager.donors():
             return True
         records = read_peer_records(self.dht, self.spec.run_id)
-        if any(p != self.peer_id and r.serves_calls for p, r in records.items()):
+        if any(p != self.peer_id and r.reachability != "client" for p, r in records.items()):
             return True
         now = time.monotonic()
         if self.cfg.initial_peers and now - self._last_rebootstrap > REBOOTSTRAP_EVERY_S:
@@ -758,10 +747,10 @@ class Node(Startup, StateSync, Mixing):
             self._remember_peers(records)
         now = time.monotonic()
         busy = self._reconnecting is not None and not self._reconnecting.done()
-        dialable = self._dialable_peers()
-        if now - self._last_reconnect >= REDIAL_EVERY_S and dialable and not busy:
+        if now - self._last_reconnect >= REDIAL_EVERY_S and self._recent_peers and not busy:
             self._last_reconnect = now
-            self._reconnecting = self._reconnect.submit(self._reconnect_peers, dialable)
+            self._reconnecting = self._reconnect.submit(
+                self._reconnect_peers, {p: maddrs for p, (_, maddrs) in self._recent_peers.items()})
 
     def _reconnect_peers(self, peers: dict[str, list[str]]) -> None:
         """Reconnect thread (a dead peer's dial takes seconds): put the peers whose records we read
@@ -774,23 +763,21 @@ class Node(Startup, StateSync, Mixing):
     def _silent_s(self, peer: str, now: float) -> float:
         """Seconds (``time.monotonic``) since we first read the record of ``peer`` that we read last."""
         heard = self._heard.get(peer)
-        return now - heard.since if heard is not None else 0.0
-
-    def _dialable_peers(self) -> dict[str, list[str]]:
-        """``{peer id: multiaddrs}`` of the full peers whose records we read lately (ReconnectPeers keeps them)."""
-        return {p: h.maddrs for p, h in self._heard.items() if h.maddrs}
+        return now - heard[1] if heard is not None else 0.0
 
     def _note_swarm(self, records: dict[str, Any]) -> None:
         """From the peers' records: the online peers' median seconds per inner step (DyLU), the
         other peers' median hand-off time (unix s), and since when each record is unchanged (a crashed
         peer's). Called on the housekeeping and averaging threads (each attribute is replaced whole)."""
         now = time.monotonic()
-        heard = {p: h for p, h in self._heard.items() if now - h.read < HEARD_MEMORY_S}  # a record gone from this read stays silent
-        for p, r in records.items():
-            before = heard.get(p)
-            since = before.since if before is not None and before.updated == r.updated else now
-            heard[p] = Heard(r.updated, since, now, list(r.maddrs) if r.serves_calls and p != self.peer_id else [])
+        heard = {p: h for p, h in self._heard.items() if now - h[1] < HEARD_MEMORY_S}  # a record gone from this read stays silent
+        heard.update((p, heard[p] if p in heard and heard[p][0] == r.updated else (r.updated, now))
+                     for p, r in records.items())
         self._heard = heard
+        recent = {p: v for p, v in self._recent_peers.items() if now - v[0] < HEARD_MEMORY_S}
+        recent.update((p, (now, list(r.maddrs))) for p, r in records.items()
+                      if p != self.peer_id and r.reachability != "client" and r.maddrs)
+        self._recent_peers = recent
         speeds = sorted(r.inner_step_s for r in records.values() if r.inner_step_s > 0)
         self.swarm_inner_step_s = speeds[len(speeds) // 2] if speeds else None
         etas = sorted(r.phase_eta for p, r in records.items() if p != self.peer_id and r.phase_eta > 0)

@@ -249,7 +249,7 @@ class Startup:
         """Save the addresses of the full peers in ``records`` for a later restart (node/known_peers.py)."""
         from diloco_swarm.node.known_peers import remember_peers
 
-        seen = {p: r.maddrs for p, r in records.items() if r.serves_calls and r.maddrs}
+        seen = {p: r.maddrs for p, r in records.items() if r.reachability != "client" and r.maddrs}
         if seen:
             remember_peers(self.cfg.state_dir, self.spec.run_id, seen, me=self.peer_id)
 
