@@ -157,7 +157,6 @@ def test_eager_benchmark_runs_at_toy_size(tmp_path):
     assert "<!-- bench:eager size=smoke -->" in text and "| fit |" in text and "| own |" in text and "| none |" in text
 
 
-
 @pytest.mark.timeout(300)
 def test_staleness_benchmark_runs_at_toy_size(tmp_path):
     from bench.common import provenance
@@ -174,6 +173,7 @@ def test_staleness_benchmark_runs_at_toy_size(tmp_path):
     result.update(elapsed_s=1.0, loadavg_end=None, provenance=provenance("python -m bench.staleness"))
     text = section(result, tmp_path / "staleness.smoke.json")
     assert "<!-- bench:staleness size=smoke -->" in text and "after outer step 3" in text and "Mean over 3 seeds" in text
+
 
 def _check_scale(result: dict, text: str) -> None:
     """What `bench scale` at toy size must show: each configuration ran every peer to the end, with
