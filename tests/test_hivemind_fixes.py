@@ -132,3 +132,28 @@ def test_the_daemons_socket_files_leave_with_the_node(short_tmp):
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(timeout=30)
     assert not list(short_tmp.glob("hivemind-*")), "no socket file outside the per-process directories"
+
+
+SHM_CHILD = r"""
+import os, signal, subprocess, sys, time
+import torch
+import diloco_swarm.dht.swarm  # loads the fixes, which start torch's shared-memory manager
+manager = subprocess.run(["pgrep", "-P", str(os.getpid()), "-x", "torch_shm_manag"], capture_output=True,
+                         text=True).stdout.split()
+assert len(manager) == 1, manager
+print("handler", signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
+os.kill(int(manager[0]), signal.SIGINT)  # what a terminal's Ctrl+C sends to the whole process group
+time.sleep(0.5)
+torch.empty(1000).share_memory_()  # with the manager dead: RuntimeError (broken pipe), or a wait for good
+print("shared after SIGINT", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_torchs_shared_memory_manager_survives_a_ctrl_c_to_the_group():
+    """hivemind makes torch share memory through torch_shm_manager, in the node's process group: a
+    Ctrl+C killed it and the node's next shared tensor (a DHT starting) failed or hung for good. The fixes
+    start it with the stop signals ignored, and leave the node's own handler as it was."""
+    out = subprocess.run([sys.executable, "-c", SHM_CHILD], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "handler True" in out.stdout and "shared after SIGINT" in out.stdout, out.stdout

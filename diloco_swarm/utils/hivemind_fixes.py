@@ -30,6 +30,16 @@ the previous read returns: about 235 reads a second, which kept the averager and
 :func:`_paced_get_averagers` spaces the reads of one key manager by :data:`MIN_GROUP_POLL_S`; a
 leader that appears is seen at most that much later.
 
+Torch's shared-memory manager. hivemind makes torch share memory by file name
+(``set_sharing_strategy("file_system")`` in ``hivemind/utils/mpfuture.py``); torch then starts
+``torch_shm_manager`` at the first shared tensor (a ``DHT``'s first ``MPFuture``), in the node's
+process group. A terminal's Ctrl+C at that moment killed the manager, and the node's next shared
+allocation failed ("Broken pipe") or, caught mid-request, waited on its socket for good in C code,
+where no signal handler runs: a node that only SIGKILL could stop (a newcomer's run, Ctrl+C 4.5 s
+into start-up). :func:`_start_shm_manager_sheltered`
+starts it while the stop signals are ignored, which it keeps across ``exec``; it still exits with its
+last client.
+
 Socket files. hivemind's libp2p daemon and each client of it listen on unix sockets named
 ``/tmp/hivemind-p2pd-*.sock`` and ``/tmp/hivemind-p2pclient-*.sock``; they are removed only when the
 daemon is still running at shutdown, so every killed node, failed bootstrap or crashed child left
@@ -244,6 +254,31 @@ def remove_socket_dir() -> None:
         shutil.rmtree(_socket_dir[1], ignore_errors=True)
 
 
+_SHELTERED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _start_shm_manager_sheltered() -> None:
+    """Start torch's shared-memory manager now, immune to the stop signals (see the module docstring).
+    Only from the main thread (signal dispositions can be changed there only) and only for the
+    "file_system" sharing strategy (the only one that uses the manager); a no-op once it runs."""
+    import threading
+
+    import torch.multiprocessing
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if torch.multiprocessing.get_sharing_strategy() != "file_system":
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _SHELTERED_SIGNALS}
+    try:
+        torch.empty(1).share_memory_()  # torch spawns the manager here, once per process; it inherits SIG_IGN
+    except Exception as e:  # no shared memory here: hivemind will say so where it needs it
+        logging.getLogger(__name__).debug(f"could not start torch's shared-memory manager early: {e!r}")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def patch_hivemind() -> None:
     """Apply the fixes to hivemind's classes (idempotent; must run before DHTs/averagers fork)."""
     from hivemind.averaging import DecentralizedAverager
@@ -281,6 +316,7 @@ def patch_hivemind() -> None:
     # hivemind.p2p.p2p_daemon calls asyncio.subprocess.create_subprocess_exec; only p2pd is affected
     if not getattr(asyncio.subprocess.create_subprocess_exec, "__spawns_p2pd_apart__", False):
         asyncio.subprocess.create_subprocess_exec = _spawn_p2pd_apart(asyncio.subprocess.create_subprocess_exec)
+    _start_shm_manager_sheltered()
 
 
 patch_hivemind()
