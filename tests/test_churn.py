@@ -302,15 +302,21 @@ def test_kill_matrix(tmp_path):
         # Smaller batches: the victim finishes its inner steps first and waits in matchmaking.
         _restart_and_rejoin(swarm, v, a, survivors, "a: inner steps", "--batch-size", "1")
 
-        # (b) while it waits in matchmaking.
-        n = len(v.events("averaging_start"))
-        swarm.wait_alive(lambda: len(v.events("averaging_start")) > n, ROUND_S, "the victim's averaging_start",
-                         everyone, poll=0.05)
-        t_enter = v.events("averaging_start")[-1]["time"]
-        time.sleep(0.5)
+        # (b) while it waits in matchmaking. DyLU and progress alignment bring the peers to their rounds
+        # together, so on a fast machine the survivors can arrive within the wait below: then the
+        # phase runs again at the victim's next round, up to 3 times.
+        for attempt in range(1, 4):
+            n = len(v.events("averaging_start"))
+            swarm.wait_alive(lambda: len(v.events("averaging_start")) > n, ROUND_S, "the victim's averaging_start",
+                             everyone, poll=0.05)
+            t_enter = v.events("averaging_start")[-1]["time"]
+            time.sleep(0.3)
+            if v.events()[-1]["event"] == "averaging_start":
+                break
+            print(f"(b) attempt {attempt}: the victim's round ended within 0.3 s of its hand-off")
         in_matchmaking = v.events()[-1]["event"] == "averaging_start"
         t_kill = crash(v)
-        assert in_matchmaking, "(b) the victim finished its round before the kill"
+        assert in_matchmaking, "(b) the victim finished its round before the kill, 3 times"
         # Were the survivors still training when the victim entered matchmaking? (timing, not asserted)
         prev_end = max(r["time"] for r in v.outer_steps())
         alone = not any(prev_end < e["time"] <= t_kill for s in survivors for e in s.events("averaging_start"))
