@@ -36,9 +36,8 @@ Torch's shared-memory manager. hivemind makes torch share memory by file name
 process group. A terminal's Ctrl+C at that moment killed the manager, and the node's next shared
 allocation failed ("Broken pipe") or, caught mid-request, waited on its socket for good in C code,
 where no signal handler runs: a node that only SIGKILL could stop (a newcomer's run, Ctrl+C 4.5 s
-into start-up). :func:`_start_shm_manager_sheltered`
-starts it while the stop signals are ignored, which it keeps across ``exec``; it still exits with its
-last client.
+into start-up). :func:`_start_shm_manager_sheltered` starts it while the stop signals are ignored,
+which it keeps across ``exec``; it still exits with its last client.
 
 Socket files. hivemind's libp2p daemon and each client of it listen on unix sockets named
 ``/tmp/hivemind-p2pd-*.sock`` and ``/tmp/hivemind-p2pclient-*.sock``; they are removed only when the
@@ -254,9 +253,6 @@ def remove_socket_dir() -> None:
         shutil.rmtree(_socket_dir[1], ignore_errors=True)
 
 
-_SHELTERED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
 def _start_shm_manager_sheltered() -> None:
     """Start torch's shared-memory manager now, immune to the stop signals (see the module docstring).
     Only from the main thread (signal dispositions can be changed there only) and only for the
@@ -265,11 +261,13 @@ def _start_shm_manager_sheltered() -> None:
 
     import torch.multiprocessing
 
+    from diloco_swarm.node.signals import STOP_SIGNALS
+
     if threading.current_thread() is not threading.main_thread():
         return
     if torch.multiprocessing.get_sharing_strategy() != "file_system":
         return
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _SHELTERED_SIGNALS}
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
     try:
         torch.empty(1).share_memory_()  # torch spawns the manager here, once per process; it inherits SIG_IGN
     except Exception as e:  # no shared memory here: hivemind will say so where it needs it
