@@ -1,5 +1,5 @@
-"""A member that crashes after the all-reduce, before confirming the average: three real averagers
-over 127.0.0.1.
+"""Members that crash mid-round: after the all-reduce, before confirming the average; and before
+joining a group they were planned into. Real averagers over 127.0.0.1.
 
 A crash (the whole peer: its p2p daemon dies with it) makes its ping fail at once. The survivors
 must not wait out the digest wait meant for slow members (``bench.churn``: two survivors waited
@@ -95,3 +95,45 @@ def test_survivors_keep_a_round_whose_member_crashed_before_confirming():
     assert a.digest == b.digest  # one average kept by both survivors
     assert a.gone_peers == b.gone_peers == [crashed_id]
     assert a.agreed_peers == b.agreed_peers == 1
+
+
+@pytest.mark.timeout(240)
+def test_a_forming_group_begins_without_a_planned_member_that_crashed():
+    # C was planned into the round (its record said it would hand off now) and crashed before it
+    # joined. The survivors must begin once they find it gone past its due time, not at the round's
+    # scheduled time (bench.churn: 4 s rounds after a kill, at every kill that fell in matchmaking).
+    scheduled_in_s = 60.0
+    dhts = [start_dht(initial_peers=[], host="127.0.0.1", port=0)]
+    dhts += [start_dht(initial_peers=visible_maddrs(dhts[0]), host="127.0.0.1", port=0) for _ in range(2)]
+    crashed_id = dhts[2].peer_id.to_base58()
+    kwargs = dict(prefix="planned-member-crashed", target_group_size=3, matchmaking_time=3.0,
+                  allreduce_timeout=SLOW_MEMBER_S, next_chunk_timeout=SLOW_MEMBER_S / 2)
+    averagers = [PseudoGradientAverager([torch.zeros(s) for s in SHAPES], dht, **kwargs) for dht in dhts[:2]]
+    ids = [a.peer_id.to_base58() for a in averagers]
+    results: list = [None] * 2
+    try:
+        _crash(process_tree(dhts[2].pid))  # C's DHT process and its p2pd
+        started = time.time()
+
+        def run(i: int) -> None:
+            results[i] = averagers[i].average(
+                _delta(i), weight=100.0, metadata={}, timeout=scheduled_in_s + 30.0, group_size=3,
+                scheduled_time=started + scheduled_in_s, members=[ids[1 - i], crashed_id], members_due=started,
+                gone=lambda peers: gone_peers(dhts[i], peers, banned_is_gone=False))[0]
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=scheduled_in_s + 60.0)
+        a, b = results
+        assert a is not None and b is not None, "a survivor's round did not end"
+        assert a.ok and b.ok, (a.reason, b.reason)
+        assert a.group_size == b.group_size == 2 and a.digest == b.digest
+        # began long before the scheduled time (without the probe: at it, after 60 s)
+        assert a.seconds < scheduled_in_s / 2 and b.seconds < scheduled_in_s / 2, (a.seconds, b.seconds)
+    finally:
+        for part in averagers:
+            part.shutdown()
+        for dht in dhts:
+            dht.shutdown()

@@ -77,6 +77,7 @@ AVOID_REFUSER_S = 300.0  # ... is avoided this long (one refusal can be an hones
 AVERAGER_START_TIMEOUT_S = 120.0  # fork, replicate the DHT's libp2p client, register handlers; a busy machine
 INBAND_GRACE_S = 1.0  # members' in-band answers usually arrive within this; the DHT copies are read after it
 GONE_PROBE_EVERY_S = 2.0  # how often a cross-check asks whether its silent members are gone (each ask: a DHT ping)
+LATE_MEMBER_PROBE_EVERY_S = 0.5  # how often a group still forming past its members' due time asks which are gone
 GoneProbe = Callable[[Sequence[str]], set]  # gone(peer ids) -> those of them whose process is gone
 RECENT_GROUPS = 8  # rounds whose group may still run its θ-mixing all-reduce (averaging/mixing.py)
 MIX_START_WAIT_S = DIGEST_WAIT_S + 15.0  # a member's mix request waits this long for our own mix to start
@@ -562,6 +563,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         group_bits: str = "",
         group_size: int | None = None,
         gone: GoneProbe | None = None,
+        members: Sequence[str] = (),
+        members_due: float | None = None,
     ) -> tuple[RoundResult, list[torch.Tensor]]:
         """Average ``delta`` with a group of peers; return the verified result.
 
@@ -585,8 +588,14 @@ class PseudoGradientAverager(DecentralizedAverager):
         :param group_size: the planned group's size (the leader starts once it is full); None: the
             averager's ``target_group_size``.
         :param gone: ``gone(peer_ids)`` returns those whose process is gone (bounded in time, never
-            raises); the digest cross-check stops waiting for them (:meth:`_cross_check`). None: wait
-            for every member.
+            raises); the digest cross-check stops waiting for them (:meth:`_cross_check`), and so
+            does a group still forming past ``members_due``. None: wait for every member.
+        :param members: the planned group's other members (peer ids); with ``members_due``.
+        :param members_due: unix time by which every one of ``members`` should have joined. While the
+            group still forms after it, every :data:`LATE_MEMBER_PROBE_EVERY_S` the members that are
+            gone are asked for (``gone``) and taken off the target size (:meth:`_drop_members`): a
+            member killed after the round was planned no longer holds the others until
+            ``scheduled_time``.
         :returns: the round's result and the Δ to apply: the group's average when ``ok``,
             else a copy of ``delta``.
         """
@@ -606,6 +615,8 @@ class PseudoGradientAverager(DecentralizedAverager):
                                 scheduled_time=scheduled_time)
             # hivemind bounds the step in the averager process; this bounds our wait if that process dies
             deadline = time.monotonic() + timeout + self._allreduce_timeout_s + 30.0
+            late = _LateMembers(members, members_due, group_size or self._default_target_group_size,
+                                gone if members_due is not None else None)
             while True:
                 try:
                     control = control.result(timeout=0.25)
@@ -622,6 +633,8 @@ class PseudoGradientAverager(DecentralizedAverager):
                             control.cancel()
                         why = "the averager process is gone" if not self.is_alive() else "the averager did not answer"
                         return self._solo(started, reason=why), local
+                    if control.stage in _STILL_LOOKING and late.drop_gone():
+                        self._drop_members(late.target)
         except Exception as e:  # no group in the window, or the all-reduce failed outright
             return self._solo(started, reason=_short_reason(e)), local
         if control is None:
@@ -654,6 +667,27 @@ class PseudoGradientAverager(DecentralizedAverager):
             return result, local
         result.ok = True
         return result, averaged
+
+    def _drop_members(self, target: int) -> None:
+        """Lower the forming group's target size to ``target`` (members found gone); as its leader,
+        begin at once when the followers already reach it (:meth:`_lower_target`)."""
+        self._outer_pipe.send(("_lower_target", [], dict(target=target)))
+
+    async def _lower_target(self, target: int) -> None:
+        """(averager process) hivemind's leader begins when its followers fill ``target_group_size``
+        (``Matchmaking.rpc_join_group``) or at the declared expiration time; lowering the target when
+        no more followers will come begins it now, with at least ``min_group_size`` (the quorum)."""
+        matchmaking = getattr(self, "_matchmaking", None)
+        if matchmaking is None or not matchmaking.is_looking_for_group:
+            return  # the group formed meanwhile (or the round ended): nothing to shorten
+        async with matchmaking.lock_request_join_group:
+            matchmaking.target_group_size = max(2, min(matchmaking.target_group_size or target, target))
+            size = len(matchmaking.current_followers) + 1
+            if (matchmaking.current_followers and matchmaking.current_leader is None
+                    and matchmaking.is_looking_for_group and not matchmaking.assembled_group.done()
+                    and size >= max(matchmaking.target_group_size, matchmaking.min_group_size)):
+                logger.debug(f"beginning with {size} peers: the others planned for this round are gone")
+                await matchmaking.leader_assemble_group()
 
     def mix(self, contribution: Sequence[torch.Tensor], *, round_result: RoundResult, weight: float,
             planned_weights: dict[str, float], digest_wait: float = DIGEST_WAIT_S,
@@ -824,6 +858,30 @@ class PseudoGradientAverager(DecentralizedAverager):
                 stop.wait(pause)
             else:
                 time.sleep(pause)
+
+
+class _LateMembers:
+    """The planned members of a forming group that have not made it by their due time: which are gone
+    (asked through ``gone`` at most every :data:`LATE_MEMBER_PROBE_EVERY_S`), and the target size
+    without them. With no ``gone`` or no due time it never asks."""
+
+    def __init__(self, members: Sequence[str], due: float | None, target: int, gone: GoneProbe | None):
+        self.members, self.due, self.target, self.gone = list(members), due, target, gone
+        self.lost: set[str] = set()
+        self._next = due if due is not None else math.inf
+
+    def drop_gone(self) -> bool:
+        """Ask once it is time; :returns: whether members were found gone since the last ask."""
+        if self.gone is None or time.time() < self._next:
+            return False
+        left = [p for p in self.members if p not in self.lost]
+        found = self.gone(left) & set(left) if left else set()
+        self._next = time.time() + LATE_MEMBER_PROBE_EVERY_S
+        if not found:
+            return False
+        self.lost |= found
+        self.target = max(2, self.target - len(found))
+        return True
 
 
 def _judge(outcomes: dict[str, str], others: set[str], digest: str) -> str | None:

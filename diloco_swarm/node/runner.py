@@ -473,16 +473,20 @@ class Node(Startup, StateSync, Mixing):
         others = bool(self.averager.donors()) or any(p != self.peer_id for p in records)
         if self.sync.overlap and not others:
             return RoundResult(ok=False, group_size=1, reason="no other peer online"), own, True, ""
-        plan, start, gone = self._plan_round(handoff, records)
+        plan, due, gone = self._plan_round(handoff, records)
         key, members = plan.group_of(self.peer_id)
         members = tuple(p for p in members if p not in gone)
+        # the leader starts as soon as all of them are in (hivemind's target size): the matchmaking time
+        # on top only gives the slower of them (a loaded machine reads the DHT slowly) time to find it
+        start = due + self.cfg.matchmaking_time
         grid = len(plan.groups) > 1  # groups smaller than the swarm: θ-mixing keeps them one model
         self.history.resize(max(self._history_floor, history_length(plan.dims if grid else 1)))
         result, average = self.averager.average(
             self._contribution(handoff.delta), weight=max(handoff.tokens, 1), metadata=self._round_metadata(handoff),
             timeout=self.cfg.averaging_window, stop=control.stop, give_up=control.give_up, digest_wait=DIGEST_WAIT_S,
             scheduled_time=start, online_peers=len((set(records) | {self.peer_id}) - gone),
-            group_bits=group_bits(key) if grid else "", group_size=max(2, len(members)), gone=self._gone_members)
+            group_bits=group_bits(key) if grid else "", group_size=max(2, len(members)), gone=self._gone_members,
+            members=[p for p in members if p != self.peer_id], members_due=due)
         return result, average, not others, key if grid else ""
 
     def _gone_members(self, peers: Sequence[str]) -> set[str]:
@@ -503,9 +507,11 @@ class Node(Startup, StateSync, Mixing):
 
     def _plan_round(self, handoff: Handoff, records: dict[str, Any]):
         """This round's plan (``averaging/grouping.py``'s ``plan_round``: whom the round waits for and,
-        when the swarm is larger than one group, the grid group we belong to) and the latest time its
-        all-reduce should begin (unix time; it begins earlier once every expected member is in), and
-        the members found gone: ``(plan, start, gone)``.
+        when the swarm is larger than one group, the grid group we belong to), the time by which every
+        expected member should have handed off (unix time; the all-reduce begins once all are in, at
+        the latest ``--matchmaking-time`` after it), and the members found gone: ``(plan, due, gone)``.
+        A member that dies after this plan is found gone past ``due`` (``averager.average``'s
+        ``members_due``), and the round begins without it.
 
         Progress alignment: peers publish when they expect to hand off their phase (``phase_eta`` in
         their records). Decoupled DiLoCo's minimum quorum plus a grace window (arXiv 2604.21428;
@@ -548,9 +554,7 @@ class Node(Startup, StateSync, Mixing):
             plan = plan_round(round_no, etas, max_group_size=self.cfg.group_size, grace_s=grace)
             _, members = plan.group_of(self.peer_id)
         last = max((etas[p] for p in members if p not in gone), default=0.0)
-        # the leader starts as soon as all of them are in (hivemind's target size): the matchmaking time
-        # on top only gives the slower of them (a loaded machine reads the DHT slowly) time to find it
-        return plan, now + last + ALIGN_SLACK_S + self.cfg.matchmaking_time, gone
+        return plan, now + last + ALIGN_SLACK_S, gone
 
     def _public_peer_online(self) -> bool:
         """Whether a group can form for us: always for a full peer; a client needs a public peer."""
