@@ -54,6 +54,10 @@ def _cases(root, busy_port):
         "peers-garbage": (["--initial-peers", "garbage"], ["--initial-peers", "'garbage'", "not a multiaddr"]),
         "peers-no-p2p": (["--initial-peers", "/ip4/127.0.0.1/tcp/1"], ["'/ip4/127.0.0.1/tcp/1'", "/p2p/"]),
         "peers-unreachable": (["--initial-peers", BOGUS_PEER], ["none of the --initial-peers answered", BOGUS_PEER]),
+        # a program listens at the address, but no peer with that id answers there: say so (a mistyped id)
+        "peers-wrong-id": (["--initial-peers", BOGUS_PEER.replace("/tcp/1/", f"/tcp/{busy_port}/")],
+                           ["none of the --initial-peers answered", f"connections at 127.0.0.1:{busy_port}",
+                            "peer id after /p2p/"]),
         "dataset-missing": (["--dataset", str(root / "no-such-dir")], [str(root / "no-such-dir"), "does not exist"]),
         "dataset-empty": (["--dataset", str(root / "empty-folder")], [str(root / "empty-folder"), "no files"]),
         "port-busy": (["--host", "127.0.0.1", "--port", str(busy_port)], [f"port {busy_port}", "already in use"]),
@@ -139,6 +143,7 @@ CASE_NAMES = [
     "run-id-brackets",
     "inner-lr-negative",
     "option-unknown",
+    "peers-wrong-id",
 ]
 
 

@@ -224,6 +224,13 @@ def start_dht(
                 "with this node's identity (a copied --state-dir: give each node its own, or delete identity.key "
                 "and record.key in the copy), or these are this node's own addresses; give the address of another node"
             )
+        listening = _accepting_connections(initial_peers)
+        if listening:  # the address is right: the peer id (or the program there) is not
+            raise BootstrapFailed(
+                "none of the --initial-peers answered (" + ", ".join(initial_peers) + "), although a program accepts "
+                f"connections at {', '.join(listening)}: check the peer id after /p2p/ (copy it in full from that "
+                "node's 'to join' line; another --state-dir means another id), or that node may be too busy to answer"
+            )
         raise BootstrapFailed(
             "none of the --initial-peers answered (" + ", ".join(initial_peers) + "); check the addresses and "
             "that those nodes are running, or omit --initial-peers to start a new swarm"
@@ -241,6 +248,25 @@ def start_dht(
         raise SwarmError(problem or f"hivemind's libp2p daemon (p2pd) cannot run on this host ({text}); "
                          "see docs/networking.md")
     raise SwarmError(f"could not start the DHT: {text}")
+
+
+def _accepting_connections(maddrs: Sequence[str], timeout: float = 1.0) -> list[str]:
+    """``host:port`` of the ``/ip4|ip6/…/tcp/PORT`` multiaddrs at which a TCP connect succeeds within
+    ``timeout`` s each (at most 8 tried): something listens there. Never raises."""
+    import socket
+
+    found: list[str] = []
+    for addr in list(maddrs)[:8]:
+        match = re.match(r"^/(ip4|ip6)/([^/]+)/tcp/(\d+)(/|$)", addr)
+        if match is None:
+            continue
+        host, port = match.group(2), int(match.group(3))
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                found.append(f"[{host}]:{port}" if match.group(1) == "ip6" else f"{host}:{port}")
+        except (OSError, ValueError, OverflowError):
+            continue
+    return found
 
 
 def _own_peer_id(identity_path: Path | None) -> str | None:
