@@ -9,6 +9,8 @@ process and their p2pd, as ``bench.churn`` kills whole peers.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from bench.procs import process_tree
+from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner
 from diloco_swarm.averaging.averager import PseudoGradientAverager
 from diloco_swarm.dht.swarm import start_dht, visible_maddrs
 from diloco_swarm.node.redial import gone_peers
@@ -137,3 +140,68 @@ def test_a_forming_group_begins_without_a_planned_member_that_crashed():
             part.shutdown()
         for dht in dhts:
             dht.shutdown()
+
+
+def _stall_then_crash_round(tmp_path):
+    """A, B and C average; C hangs in the all-reduce before it sends a part, then crashes (SIGKILL of
+    its averager process, its DHT process and their p2pd). :returns: A's and B's results, C's peer id,
+    seconds from the crash to the survivors' last result."""
+    marker = tmp_path / "stalled"
+
+    class StallingRunner(ConsensusAllReduceRunner):
+        async def _generate_input_for_peer(self, peer_index: int):
+            marker.touch()
+            await asyncio.sleep(3600)  # hangs before its first part: the others wait for it as a sender
+            yield  # (an async generator)
+
+    class Stalling(PseudoGradientAverager):
+        allreduce_runner_type = StallingRunner
+
+    Stalling.__name__ = Stalling.__qualname__ = PseudoGradientAverager.__name__  # RPC names follow it
+    dhts = [start_dht(initial_peers=[], host="127.0.0.1", port=0)]
+    dhts += [start_dht(initial_peers=visible_maddrs(dhts[0]), host="127.0.0.1", port=0) for _ in range(2)]
+    kwargs = dict(prefix="stalled-member", target_group_size=3, matchmaking_time=3.0,
+                  allreduce_timeout=SLOW_MEMBER_S, next_chunk_timeout=SLOW_MEMBER_S / 2)
+    averagers = [PseudoGradientAverager([torch.zeros(s) for s in SHAPES], dht, **kwargs) for dht in dhts[:2]]
+    averagers.append(Stalling([torch.zeros(s) for s in SHAPES], dhts[2], **kwargs))
+    results: list = [None] * 3
+    ended: list = [None] * 2
+
+    def run(i: int) -> None:
+        gone = (lambda peers: gone_peers(dhts[i], peers, banned_is_gone=False)) if i < 2 else None
+        results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={}, timeout=30.0,
+                                          digest_wait=SLOW_MEMBER_S, group_size=3, gone=gone)[0]
+        if i < 2:
+            ended[i] = time.monotonic()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60.0
+        while not marker.exists():
+            assert time.monotonic() < deadline, "C never reached its all-reduce"
+            time.sleep(0.05)
+        time.sleep(0.5)  # the survivors are waiting on C's streams now
+        _crash([averagers[2].pid, *process_tree(dhts[2].pid)])
+        crashed_at = time.monotonic()
+        for t in threads[:2]:
+            t.join(timeout=SLOW_MEMBER_S)
+        assert results[0] is not None and results[1] is not None, "a survivor waited out the bound for slow members"
+        return results[0], results[1], averagers[2].peer_id.to_base58(), max(ended) - crashed_at
+    finally:
+        for part in averagers:
+            with contextlib.suppress(Exception):
+                part.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_survivors_stop_waiting_for_a_member_that_crashed_mid_allreduce(tmp_path):
+    # C sent no part, so the survivors average without it: ended long before hivemind's sender
+    # timeout (60 s here; without the watch they waited it out), agreeing, and C is known gone
+    a, b, crashed_id, seconds = _stall_then_crash_round(tmp_path)
+    assert seconds < SLOW_MEMBER_S / 4, seconds
+    assert a.ok and b.ok and a.digest == b.digest, (a.reason, b.reason)
+    assert a.gone_peers == b.gone_peers == [crashed_id]

@@ -19,6 +19,11 @@ partitioning, load balancing and timeouts:
 3. Bytes on the wire and every failure (banned sender, failed reducer) are counted for the
    round report, because ``DecentralizedAverager.step()`` returns normally even when no part
    arrived.
+
+It also watches the members it still waits for (:meth:`ConsensusAllReduceRunner._watch_members`):
+after a killed member, a survivor's stream from it could stay silent, not broken, until hivemind's
+``reducer_timeout`` (``bench.churn``: two survivors waited 20 s, to the all-reduce timeout, at
+76.7% of their results, while a third member's streams broke at once).
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
 import torch
-from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
@@ -42,6 +48,10 @@ REFUSED_OUR_PART = "refused our part"  # a reducer's reason in RoundStats.failed
 RMS_FLOOR = 1e-3  # the smallest RMS our own Δ counts as in the size bounds (covers an all-zero local part)
 MAX_WEIGHT_SCALE = 64.0  # most an honest Δ's size bound grows for a sender that trained more tokens than us
 SIZE_REASON = "above the bound"  # in a refusal for Δ size: a judgement, so the sender is avoided for a while, not banned
+GONE_REASON = "gone: its averager did not answer a call"  # a member found dead mid-round (never banned: it may restart)
+MEMBER_WATCH_AFTER_S = 1.0  # an all-reduce still waiting for a member after this long asks whether it is there ...
+MEMBER_WATCH_EVERY_S = 1.0  # ... and again this often
+MEMBER_CALL_TIMEOUT_S = 1.0  # a call that fails (not merely slow) within this long: the member is gone
 
 
 def allowed_scale(ratio: float, weight: float, own_weight: float) -> float:
@@ -121,6 +131,63 @@ class ConsensusAllReduceRunner(AllReduceRunner):
         self._compression = self.tensor_part_container.compression
         self._local_part_rms = [_rms(p) for p in self.parts_for_local_averaging]
         self._encoded_averages: dict[int, asyncio.Future] = {}
+        self._reducer_calls: dict[PeerID, asyncio.Task] = {}  # members whose averages of their parts we still await
+        self._senders_done: set[PeerID] = set()  # senders that gave us all their parts
+        self._gone: set[PeerID] = set()
+
+    async def run(self) -> AsyncIterator[torch.Tensor]:
+        """hivemind's run, with :meth:`_watch_members` alongside (until its last task ended)."""
+        watch = asyncio.ensure_future(self._watch_members())
+        try:
+            async for output in super().run():
+                yield output
+        finally:
+            watch.cancel()
+
+    async def _watch_members(self) -> None:
+        """Every :data:`MEMBER_WATCH_EVERY_S` after :data:`MEMBER_WATCH_AFTER_S`, call each member we
+        still wait for (as its reducer or as a sender; clients serve no calls) with an empty
+        ``rpc_round_outcome`` request, answered at once by a live averager (averaging/confirm.py).
+        A call that fails is a member gone: stop waiting for it (:meth:`_drop_gone`). The new
+        stream also makes our p2p daemon write to the dead connection, which may break the silent
+        streams on it first."""
+        await asyncio.sleep(MEMBER_WATCH_AFTER_S)
+        we_reduce = self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)] > 0
+        while not self._future.done():
+            waiting = [peer for peer, mode in zip(self.ordered_peer_ids, self.modes)
+                       if peer != self.peer_id and mode != AveragingMode.CLIENT and peer not in self._gone
+                       and (peer in self._reducer_calls
+                            or (we_reduce and peer in self.sender_peer_ids and peer not in self._senders_done
+                                and peer not in self.banned_senders))]
+            answers = await asyncio.gather(*(self._answers(peer) for peer in waiting))
+            for peer, answered in zip(waiting, answers):
+                if not answered:
+                    await self._drop_gone(peer)
+            await asyncio.sleep(MEMBER_WATCH_EVERY_S)
+
+    async def _answers(self, peer: PeerID) -> bool:
+        """False when a call to ``peer``'s averager fails within :data:`MEMBER_CALL_TIMEOUT_S`;
+        True when it answers or is merely slow (a loaded member is not gone)."""
+        try:
+            await asyncio.wait_for(self._get_peer_stub(peer).rpc_round_outcome(averaging_pb2.DownloadData()),
+                                   MEMBER_CALL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return True
+        except Exception as e:
+            logger.debug(f"member {peer} is gone: {e!r}")
+            return False
+        return True
+
+    async def _drop_gone(self, peer: PeerID) -> None:
+        """Stop waiting for a dead member: as our reducer its parts are missing (our view is partial,
+        so nobody keeps the round); as a sender, we reduce without its parts, as hivemind does after
+        ``sender_timeout``, and every reducer does the same, so the members' averages still agree."""
+        self._gone.add(peer)
+        call = self._reducer_calls.get(peer)
+        if call is not None:
+            call.cancel()  # its own handler registers the missing parts (_communicate_with_peer)
+        if peer in self.sender_peer_ids and peer not in self._senders_done:
+            await self._ban_sender(peer)
 
     async def _encoded_average(self, part_index: int, averaged_part: torch.Tensor):
         """Encode our average of a part once; every member gets (and we apply) these bytes."""
@@ -146,6 +213,7 @@ class ConsensusAllReduceRunner(AllReduceRunner):
                 self.tensor_part_container.register_processed_part(peer_index, part_index, canonical)
             return
 
+        self._reducer_calls[peer_id] = asyncio.current_task()
         try:
             done_sending = asyncio.Event()
             inputs_aiter = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
@@ -180,14 +248,18 @@ class ConsensusAllReduceRunner(AllReduceRunner):
             if part_index != expected_parts:
                 raise AllreduceException(f"{peer_id} sent {part_index} parts, expected {expected_parts}")
         except BaseException as e:
-            reason = repr(e) if isinstance(e, Exception) else type(e).__name__
+            reason = GONE_REASON if peer_id in self._gone else repr(e) if isinstance(e, Exception) else type(e).__name__
             self.stats.failed_reducers[peer_id.to_base58()] = reason[:200]
             self.tensor_part_container.register_failed_reducer(peer_index)
             self.stats.failed_values = self.tensor_part_container.failed_size
             if isinstance(e, Exception):
                 logger.debug(f"reducer {peer_id} failed: {e!r}")
                 await self._stop_waiting_for(peer_id)
+            if peer_id in self._gone and isinstance(e, asyncio.CancelledError):
+                return  # we cancelled it (_drop_gone): the round goes on without that member
             raise
+        finally:
+            self._reducer_calls.pop(peer_id, None)
 
     async def _handle_missing_senders(self) -> None:
         """hivemind's (a sender that has not started within ``sender_timeout`` is banned), but it ends
@@ -280,7 +352,11 @@ class ConsensusAllReduceRunner(AllReduceRunner):
             self.stats.rejected_senders[sender_id.to_base58()] = f"sent a malformed part ({e})"[:200]
             logger.warning(f"Rejected peer {sender_id.to_base58()}: malformed part ({e})")
         finally:
-            if part_index != self.tensor_part_reducer.num_parts:
+            if part_index == self.tensor_part_reducer.num_parts:
+                self._senders_done.add(sender_id)
+            elif sender_id in self._gone:  # a dead member, not a misbehaving one (failed_reducers says gone)
+                await self._ban_sender(sender_id)
+            else:
                 self.stats.rejected_senders.setdefault(sender_id.to_base58(), "did not send all parts")
                 await self._ban_sender(sender_id)
 
