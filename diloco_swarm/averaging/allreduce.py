@@ -354,7 +354,7 @@ class ConsensusAllReduceRunner(AllReduceRunner):
         finally:
             if part_index == self.tensor_part_reducer.num_parts:
                 self._senders_done.add(sender_id)
-            elif sender_id in self._gone:  # a dead member, not a misbehaving one (failed_reducers says gone)
+            elif sender_id in self._gone:  # a dead member, not a misbehaving one: not named as rejected
                 await self._ban_sender(sender_id)
             else:
                 self.stats.rejected_senders.setdefault(sender_id.to_base58(), "did not send all parts")
