@@ -142,6 +142,29 @@ def test_a_forming_group_begins_without_a_planned_member_that_crashed():
             dht.shutdown()
 
 
+@pytest.mark.timeout(240)
+def test_a_round_whose_only_planned_partner_crashed_ends_at_once():
+    # Two peers: the partner was planned in and crashed. Without it nobody is left: the round must not
+    # wait out its 60 s window (training waits for a round once its next phase reached its longest).
+    dhts = [start_dht(initial_peers=[], host="127.0.0.1", port=0)]
+    dhts.append(start_dht(initial_peers=visible_maddrs(dhts[0]), host="127.0.0.1", port=0))
+    crashed_id = dhts[1].peer_id.to_base58()
+    averager = PseudoGradientAverager([torch.zeros(s) for s in SHAPES], dhts[0], prefix="partner-crashed",
+                                      target_group_size=2, matchmaking_time=3.0)
+    try:
+        _crash(process_tree(dhts[1].pid))
+        started = time.time()
+        result = averager.average(_delta(0), weight=100.0, metadata={}, timeout=60.0, group_size=2,
+                                  scheduled_time=started + 50.0, members=[crashed_id], members_due=started,
+                                  gone=lambda peers: gone_peers(dhts[0], peers, banned_is_gone=False))[0]
+        assert not result.ok and result.reason == "the other planned members are gone", result.reason
+        assert time.time() - started < 15.0
+    finally:
+        averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
 def _stall_then_crash_round(tmp_path):
     """A, B and C average; C hangs in the all-reduce before it sends a part, then crashes (SIGKILL of
     its averager process, its DHT process and their p2pd). :returns: A's and B's results, C's peer id,

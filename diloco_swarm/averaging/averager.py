@@ -595,7 +595,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             group still forms after it, every :data:`LATE_MEMBER_PROBE_EVERY_S` the members that are
             gone are asked for (``gone``) and taken off the target size (:meth:`_drop_members`): a
             member killed after the round was planned no longer holds the others until
-            ``scheduled_time``.
+            ``scheduled_time``; when none is left, the round ends at once (solo, not ``ok``).
         :returns: the round's result and the Δ to apply: the group's average when ``ok``,
             else a copy of ``delta``.
         """
@@ -634,7 +634,10 @@ class PseudoGradientAverager(DecentralizedAverager):
                         why = "the averager process is gone" if not self.is_alive() else "the averager did not answer"
                         return self._solo(started, reason=why), local
                     if control.stage in _STILL_LOOKING and late.drop_gone():
-                        self._drop_members(late.target)
+                        if late.size < 2:  # nobody planned is left to average with: do not wait out the window
+                            control.cancel()
+                            return self._solo(started, reason="the other planned members are gone"), local
+                        self._drop_members(late.size)
         except Exception as e:  # no group in the window, or the all-reduce failed outright
             return self._solo(started, reason=_short_reason(e)), local
         if control is None:
@@ -669,8 +672,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         return result, averaged
 
     def _drop_members(self, target: int) -> None:
-        """Lower the forming group's target size to ``target`` (members found gone); as its leader,
-        begin at once when the followers already reach it (:meth:`_lower_target`)."""
+        """Lower the forming group's target size to ``target`` (≥ 2; members found gone); as its
+        leader, begin at once when the followers already reach it (:meth:`_lower_target`)."""
         self._outer_pipe.send(("_lower_target", [], dict(target=target)))
 
     async def _lower_target(self, target: int) -> None:
@@ -862,11 +865,11 @@ class PseudoGradientAverager(DecentralizedAverager):
 
 class _LateMembers:
     """The planned members of a forming group that have not made it by their due time: which are gone
-    (asked through ``gone`` at most every :data:`LATE_MEMBER_PROBE_EVERY_S`), and the target size
-    without them. With no ``gone`` or no due time it never asks."""
+    (asked through ``gone`` at most every :data:`LATE_MEMBER_PROBE_EVERY_S`), and the group's size
+    without them (``size``, this peer included). With no ``gone`` or no due time it never asks."""
 
-    def __init__(self, members: Sequence[str], due: float | None, target: int, gone: GoneProbe | None):
-        self.members, self.due, self.target, self.gone = list(members), due, target, gone
+    def __init__(self, members: Sequence[str], due: float | None, size: int, gone: GoneProbe | None):
+        self.members, self.due, self.size, self.gone = list(members), due, size, gone
         self.lost: set[str] = set()
         self._next = due if due is not None else math.inf
 
@@ -880,7 +883,7 @@ class _LateMembers:
         if not found:
             return False
         self.lost |= found
-        self.target = max(2, self.target - len(found))
+        self.size -= len(found)
         return True
 
 

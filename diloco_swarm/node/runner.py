@@ -474,6 +474,9 @@ class Node(Startup, StateSync, Mixing):
         if self.sync.overlap and not others:
             return RoundResult(ok=False, group_size=1, reason="no other peer online"), own, True, ""
         plan, due, gone = self._plan_round(handoff, records)
+        if self.sync.overlap and gone and not (set(records) - gone - {self.peer_id}):
+            # the only other peers crashed moments ago (their records outlive them): nobody to wait for
+            return RoundResult(ok=False, group_size=1, reason="no other peer online (the others are gone)"), own, True, ""
         key, members = plan.group_of(self.peer_id)
         members = tuple(p for p in members if p not in gone)
         # the leader starts as soon as all of them are in (hivemind's target size): the matchmaking time
