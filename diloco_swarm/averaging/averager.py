@@ -869,9 +869,9 @@ class _LateMembers:
     without them (``size``, this peer included). With no ``gone`` or no due time it never asks."""
 
     def __init__(self, members: Sequence[str], due: float | None, size: int, gone: GoneProbe | None):
-        self.members, self.due, self.size, self.gone = list(members), due, size, gone
+        self.members, self.size, self.gone = list(members), size, gone
         self.lost: set[str] = set()
-        self._next = due if due is not None else math.inf
+        self._next = due if due is not None else math.inf  # (unix s) the first ask
 
     def drop_gone(self) -> bool:
         """Ask once it is time; :returns: whether members were found gone since the last ask."""
