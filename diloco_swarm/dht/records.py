@@ -467,7 +467,8 @@ class PeerRecordPublisher:
                 return ok
         except Exception as e:
             problem = str(e) or type(e).__name__
-            if not self.dht.is_alive():  # the node's watchdog reports a dead DHT process (node/watchdog.py)
+            if self._stopped.is_set() or not self.dht.is_alive():
+                # stopped mid-store (a leave: expected), or the node's watchdog reports a dead DHT process
                 logger.debug(f"could not publish this peer's record: {problem}")
             elif problem != self._last_problem:
                 self._last_problem = problem
