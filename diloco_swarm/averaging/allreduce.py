@@ -181,7 +181,8 @@ class ConsensusAllReduceRunner(AllReduceRunner):
     async def _drop_gone(self, peer: PeerID) -> None:
         """Stop waiting for a dead member: as our reducer its parts are missing (our view is partial,
         so nobody keeps the round); as a sender, we reduce without its parts, as hivemind does after
-        ``sender_timeout``, and every reducer does the same, so the members' averages still agree."""
+        ``sender_timeout``: each part has one reducer, whose bytes every member applies, so the
+        members' averages still agree."""
         self._gone.add(peer)
         call = self._reducer_calls.get(peer)
         if call is not None:
