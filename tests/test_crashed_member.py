@@ -56,37 +56,67 @@ def _delta(seed: int) -> list[torch.Tensor]:
     return [1e-2 * torch.randn(s, generator=g) for s in SHAPES]
 
 
-def _round_of_three(crashing: type):
-    """Survivors A and B and the failing member C average once; returns (A's and B's results, C)."""
+@contextlib.contextmanager
+def _peers(n: int):
+    """``n`` DHTs on 127.0.0.1 (the others bootstrap from the first) and a list for their averagers;
+    all are shut down at the end (a crashed one quietly)."""
     dhts = [start_dht(initial_peers=[], host="127.0.0.1", port=0)]
-    dhts += [start_dht(initial_peers=visible_maddrs(dhts[0]), host="127.0.0.1", port=0) for _ in range(2)]
-    crash_pids = process_tree(dhts[2].pid)  # C's DHT process and its p2pd
-    CrashAfterAllReduce.crash_pids = crash_pids
-    kwargs = dict(prefix="crashed-member", target_group_size=3, matchmaking_time=3.0,
+    dhts += [start_dht(initial_peers=visible_maddrs(dhts[0]), host="127.0.0.1", port=0) for _ in range(n - 1)]
+    averagers: list = []
+    try:
+        yield dhts, averagers
+    finally:
+        for part in averagers:
+            with contextlib.suppress(Exception):
+                part.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+def _three_averagers(dhts, averagers: list, prefix: str, third: type | None = PseudoGradientAverager) -> None:
+    """A and B, then C of type ``third`` (None: no averager for C), for groups of 3, with time bounds
+    for slow members that a survivor fails if it waits them out."""
+    kwargs = dict(prefix=prefix, target_group_size=3, matchmaking_time=3.0,
                   allreduce_timeout=SLOW_MEMBER_S, next_chunk_timeout=SLOW_MEMBER_S / 2)
-    averagers = [PseudoGradientAverager([torch.zeros(s) for s in SHAPES], dht, **kwargs) for dht in dhts[:2]]
-    averagers.append(crashing([torch.zeros(s) for s in SHAPES], dhts[2], **kwargs))
-    results: list = [None] * 3
+    averagers += [PseudoGradientAverager([torch.zeros(s) for s in SHAPES], dht, **kwargs) for dht in dhts[:2]]
+    if third is not None:
+        averagers.append(third([torch.zeros(s) for s in SHAPES], dhts[2], **kwargs))
+
+
+def _gone(dht):
+    """The node's probe for gone members (``Node._gone_members``), through ``dht``."""
+    return lambda peers: gone_peers(dht, peers, banned_is_gone=False)
+
+
+def _start_round_of_three(dhts, averagers, results: list, ended: list) -> list[threading.Thread]:
+    """A, B and C average once, each on a thread; A and B with the gone probe. Fills ``results`` (3)
+    and, for A and B, ``ended`` (time.monotonic())."""
 
     def run(i: int) -> None:
-        gone = (lambda peers: gone_peers(dhts[i], peers, banned_is_gone=False)) if i < 2 else None
         results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={}, timeout=30.0,
-                                          digest_wait=SLOW_MEMBER_S, group_size=3, gone=gone)[0]
+                                          digest_wait=SLOW_MEMBER_S, group_size=3,
+                                          gone=_gone(dhts[i]) if i < 2 else None)[0]
+        if i < 2:
+            ended[i] = time.monotonic()
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(3)]
-    try:
-        for t in threads:
-            t.start()
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _round_of_three(crashing: type):
+    """Survivors A and B and the failing member C average once; returns (A's and B's results, C)."""
+    with _peers(3) as (dhts, averagers):
+        CrashAfterAllReduce.crash_pids = process_tree(dhts[2].pid)  # C's DHT process and its p2pd
+        _three_averagers(dhts, averagers, "crashed-member", crashing)
+        results, ended = [None] * 3, [None] * 2
+        threads = _start_round_of_three(dhts, averagers, results, ended)
         deadline = time.monotonic() + SLOW_MEMBER_S
         for t in threads[:2]:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         assert results[0] is not None and results[1] is not None, "a survivor waited out the bound for slow members"
         return results[:2], averagers[2]
-    finally:
-        for part in averagers:
-            part.shutdown()
-        for dht in dhts:
-            dht.shutdown()
 
 
 @pytest.mark.timeout(240)
@@ -106,15 +136,11 @@ def test_a_forming_group_begins_without_a_planned_member_that_crashed():
     # joined. The survivors must begin once they find it gone past its due time, not at the round's
     # scheduled time (bench.churn: 4 s rounds after a kill, at every kill that fell in matchmaking).
     scheduled_in_s = 60.0
-    dhts = [start_dht(initial_peers=[], host="127.0.0.1", port=0)]
-    dhts += [start_dht(initial_peers=visible_maddrs(dhts[0]), host="127.0.0.1", port=0) for _ in range(2)]
-    crashed_id = dhts[2].peer_id.to_base58()
-    kwargs = dict(prefix="planned-member-crashed", target_group_size=3, matchmaking_time=3.0,
-                  allreduce_timeout=SLOW_MEMBER_S, next_chunk_timeout=SLOW_MEMBER_S / 2)
-    averagers = [PseudoGradientAverager([torch.zeros(s) for s in SHAPES], dht, **kwargs) for dht in dhts[:2]]
-    ids = [a.peer_id.to_base58() for a in averagers]
-    results: list = [None] * 2
-    try:
+    with _peers(3) as (dhts, averagers):
+        _three_averagers(dhts, averagers, "planned-member-crashed", third=None)  # C is only planned
+        crashed_id = dhts[2].peer_id.to_base58()
+        ids = [a.peer_id.to_base58() for a in averagers]
+        results: list = [None] * 2
         _crash(process_tree(dhts[2].pid))  # C's DHT process and its p2pd
         started = time.time()
 
@@ -122,7 +148,7 @@ def test_a_forming_group_begins_without_a_planned_member_that_crashed():
             results[i] = averagers[i].average(
                 _delta(i), weight=100.0, metadata={}, timeout=scheduled_in_s + 30.0, group_size=3,
                 scheduled_time=started + scheduled_in_s, members=[ids[1 - i], crashed_id], members_due=started,
-                gone=lambda peers: gone_peers(dhts[i], peers, banned_is_gone=False))[0]
+                gone=_gone(dhts[i]))[0]
 
         threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(2)]
         for t in threads:
@@ -135,34 +161,24 @@ def test_a_forming_group_begins_without_a_planned_member_that_crashed():
         assert a.group_size == b.group_size == 2 and a.digest == b.digest
         # began long before the scheduled time (without the probe: at it, after 60 s)
         assert a.seconds < scheduled_in_s / 2 and b.seconds < scheduled_in_s / 2, (a.seconds, b.seconds)
-    finally:
-        for part in averagers:
-            part.shutdown()
-        for dht in dhts:
-            dht.shutdown()
 
 
 @pytest.mark.timeout(240)
 def test_a_round_whose_only_planned_partner_crashed_ends_at_once():
     # Two peers: the partner was planned in and crashed. Without it nobody is left: the round must not
     # wait out its 60 s window (training waits for a round once its next phase reached its longest).
-    dhts = [start_dht(initial_peers=[], host="127.0.0.1", port=0)]
-    dhts.append(start_dht(initial_peers=visible_maddrs(dhts[0]), host="127.0.0.1", port=0))
-    crashed_id = dhts[1].peer_id.to_base58()
-    averager = PseudoGradientAverager([torch.zeros(s) for s in SHAPES], dhts[0], prefix="partner-crashed",
-                                      target_group_size=2, matchmaking_time=3.0)
-    try:
+    with _peers(2) as (dhts, averagers):
+        crashed_id = dhts[1].peer_id.to_base58()
+        averager = PseudoGradientAverager([torch.zeros(s) for s in SHAPES], dhts[0], prefix="partner-crashed",
+                                          target_group_size=2, matchmaking_time=3.0)
+        averagers.append(averager)
         _crash(process_tree(dhts[1].pid))
         started = time.time()
         result = averager.average(_delta(0), weight=100.0, metadata={}, timeout=60.0, group_size=2,
                                   scheduled_time=started + 50.0, members=[crashed_id], members_due=started,
-                                  gone=lambda peers: gone_peers(dhts[0], peers, banned_is_gone=False))[0]
+                                  gone=_gone(dhts[0]))[0]
         assert not result.ok and result.reason == "the other planned members are gone", result.reason
         assert time.time() - started < 15.0
-    finally:
-        averager.shutdown()
-        for dht in dhts:
-            dht.shutdown()
 
 
 def _stall_then_crash_round(tmp_path):
@@ -181,26 +197,10 @@ def _stall_then_crash_round(tmp_path):
         allreduce_runner_type = StallingRunner
 
     Stalling.__name__ = Stalling.__qualname__ = PseudoGradientAverager.__name__  # RPC names follow it
-    dhts = [start_dht(initial_peers=[], host="127.0.0.1", port=0)]
-    dhts += [start_dht(initial_peers=visible_maddrs(dhts[0]), host="127.0.0.1", port=0) for _ in range(2)]
-    kwargs = dict(prefix="stalled-member", target_group_size=3, matchmaking_time=3.0,
-                  allreduce_timeout=SLOW_MEMBER_S, next_chunk_timeout=SLOW_MEMBER_S / 2)
-    averagers = [PseudoGradientAverager([torch.zeros(s) for s in SHAPES], dht, **kwargs) for dht in dhts[:2]]
-    averagers.append(Stalling([torch.zeros(s) for s in SHAPES], dhts[2], **kwargs))
-    results: list = [None] * 3
-    ended: list = [None] * 2
-
-    def run(i: int) -> None:
-        gone = (lambda peers: gone_peers(dhts[i], peers, banned_is_gone=False)) if i < 2 else None
-        results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={}, timeout=30.0,
-                                          digest_wait=SLOW_MEMBER_S, group_size=3, gone=gone)[0]
-        if i < 2:
-            ended[i] = time.monotonic()
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(3)]
-    try:
-        for t in threads:
-            t.start()
+    with _peers(3) as (dhts, averagers):
+        _three_averagers(dhts, averagers, "stalled-member", Stalling)
+        results, ended = [None] * 3, [None] * 2
+        threads = _start_round_of_three(dhts, averagers, results, ended)
         deadline = time.monotonic() + 60.0
         while not marker.exists():
             assert time.monotonic() < deadline, "C never reached its all-reduce"
@@ -212,12 +212,6 @@ def _stall_then_crash_round(tmp_path):
             t.join(timeout=SLOW_MEMBER_S)
         assert results[0] is not None and results[1] is not None, "a survivor waited out the bound for slow members"
         return results[0], results[1], averagers[2].peer_id.to_base58(), max(ended) - crashed_at
-    finally:
-        for part in averagers:
-            with contextlib.suppress(Exception):
-                part.shutdown()
-        for dht in dhts:
-            dht.shutdown()
 
 
 @pytest.mark.timeout(300)
