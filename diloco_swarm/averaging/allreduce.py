@@ -80,6 +80,13 @@ class RoundStats:
     def complete(self) -> bool:
         return self.failed_values == 0 and not self.rejected_senders and not self.failed_reducers
 
+    @property
+    def named_peers(self) -> dict[str, str]:
+        """Peer id -> why this member's view of the round lacks it. A refused sender's reason wins
+        over its failure as a reducer: the refusal is the cause (a member whose parts were refused
+        drops its round, so it then sends nothing back as a reducer either)."""
+        return {**self.failed_reducers, **self.rejected_senders}
+
 
 def finite_norm(tensors: Sequence[torch.Tensor]) -> float | None:
     """L2 norm over every value of ``tensors`` (any shapes, float dtypes; accumulated per tensor in

@@ -653,7 +653,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             gathered=gathered,
             bytes_sent=stats.bytes_sent,
             bytes_received=stats.bytes_received,
-            rejected_peers={**stats.rejected_senders, **stats.failed_reducers},
+            rejected_peers=stats.named_peers,
         )
         with self.get_tensors() as buffers:
             averaged = [b.clone() for b in buffers]
@@ -726,7 +726,7 @@ class PseudoGradientAverager(DecentralizedAverager):
                                reason=f"mixing: {_short_reason(e)}", seconds=time.perf_counter() - started), local
         result = RoundResult(ok=False, group_size=max(1, len(stats.group_peer_ids)), group_peer_ids=stats.group_peer_ids,
                              group_id=stats.group_id, bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
-                             rejected_peers={**stats.rejected_senders, **stats.failed_reducers})
+                             rejected_peers=stats.named_peers)
         averaged = [t.clone() for t in shared]
         problem = self._check_round(stats, local, averaged, weight=1.0, gathered={})  # weights are the plan's: no token scaling
         if problem is None:
