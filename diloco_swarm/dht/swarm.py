@@ -208,6 +208,8 @@ def start_dht(
             bootstrap_failed = "bootstrap" in text or "failed to connect" in text
             if not bootstrap_failed or attempt + 1 == BOOTSTRAP_ATTEMPTS:
                 break
+            if _nothing_listens(initial_peers):
+                break  # a second try cannot succeed (a busy peer still accepts connections)
             # hivemind pings the initial peers once, with a 3 s limit: a busy peer misses it
             time.sleep(2.0)
             for _ in range(20):  # the failed daemon may still hold our port
@@ -250,6 +252,9 @@ def start_dht(
     raise SwarmError(f"could not start the DHT: {text}")
 
 
+_TCP_MADDR = re.compile(r"^/(ip4|ip6)/([^/]+)/tcp/(\d+)(/|$)")  # host, port of a TCP multiaddr
+
+
 def _accepting_connections(maddrs: Sequence[str], timeout: float = 1.0) -> list[str]:
     """``host:port`` of the ``/ip4|ip6/…/tcp/PORT`` multiaddrs at which a TCP connect succeeds within
     ``timeout`` s (at most 8 tried, all at once): something listens there. Never raises."""
@@ -257,7 +262,7 @@ def _accepting_connections(maddrs: Sequence[str], timeout: float = 1.0) -> list[
     from concurrent.futures import ThreadPoolExecutor
 
     def accepts(addr: str) -> str | None:
-        match = re.match(r"^/(ip4|ip6)/([^/]+)/tcp/(\d+)(/|$)", addr)
+        match = _TCP_MADDR.match(addr)
         if match is None:
             return None
         host, port = match.group(2), int(match.group(3))
@@ -272,6 +277,13 @@ def _accepting_connections(maddrs: Sequence[str], timeout: float = 1.0) -> list[
         return []
     with ThreadPoolExecutor(max_workers=len(addrs)) as pool:
         return [hp for hp in pool.map(accepts, addrs) if hp is not None]
+
+
+def _nothing_listens(maddrs: Sequence[str]) -> bool:
+    """True when every one of ``maddrs`` is a TCP multiaddr (at most the 8 that
+    :func:`_accepting_connections` tries) and none accepts a connection."""
+    addrs = list(dict.fromkeys(maddrs))
+    return len(addrs) <= 8 and all(_TCP_MADDR.match(a) for a in addrs) and not _accepting_connections(addrs)
 
 
 def _own_peer_id(identity_path: Path | None) -> str | None:
