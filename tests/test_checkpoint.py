@@ -111,6 +111,21 @@ def test_corrupt_checkpoint_raises_a_clear_error_and_is_left_untouched(tmp_path,
     assert listing(tmp_path) == [CHECKPOINT_NAME]
 
 
+def test_flipped_bits_in_a_tensor_are_refused_not_loaded_as_values(tmp_path):
+    """torch.load does not check the stored bytes: a flipped byte in θ_global would load as a huge value."""
+    good = state(1)
+    save_checkpoint(tmp_path, good)
+    path = tmp_path / CHECKPOINT_NAME
+    data = bytearray(path.read_bytes())
+    at = bytes(data).find(good["outer"]["theta"][0].numpy().tobytes())
+    assert at > 0
+    data[at + 100 : at + 140] = bytes(b ^ 0xFF for b in data[at + 100 : at + 140])
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"is corrupt or truncated \(.* fails its CRC-32 check\)"):
+        load_checkpoint(path)
+    assert path.read_bytes() == bytes(data)
+
+
 def test_corrupt_checkpoint_message_offers_the_previous_one(tmp_path):
     save_checkpoint(tmp_path, state(1))
     save_checkpoint(tmp_path, state(2))

@@ -166,6 +166,16 @@ def _reads_through(path: Path) -> bool:
     return True
 
 
+def _failed_crc(path: Path) -> str | None:
+    """The first entry of the zip file ``path`` (torch.save's format) whose bytes do not match the
+    CRC-32 the writer recorded (``zipfile.ZipFile.testzip``), or None when all match."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return z.testzip()
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError) as e:
+        return f"its zip directory ({type(e).__name__})"
+
+
 def load_checkpoint(path: Path) -> dict[str, Any] | None:
     """Read a checkpoint written by :func:`save_checkpoint`; ``None`` if the file does not exist.
 
@@ -193,6 +203,9 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
         else:
             reason = _reason(e)
         raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({reason}); {how_to}") from None
+    damaged = _failed_crc(path)
+    if damaged is not None:  # torch.load reads stored bytes without checking them: flipped bits load as values
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({damaged} fails its CRC-32 check); {how_to}")
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} is not a diloco-swarm checkpoint of format {FORMAT_VERSION}; {how_to}")
     return state
