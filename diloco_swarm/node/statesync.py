@@ -149,8 +149,9 @@ class StateSync:
         return None
 
     def _join_sync(self) -> None:
-        """Late joiner: adopt the state of the most advanced peer if it is ahead of ours."""
-        if not self.cfg.initial_peers:
+        """Late joiner: adopt the state of the most advanced peer if it is ahead of ours (not once a
+        stop was requested: the node leaves with the state it has)."""
+        if not self.cfg.initial_peers or self.stop.requested:
             return
         deadline = time.monotonic() + 5.0
         donors: dict[str, float] = {}
@@ -171,8 +172,10 @@ class StateSync:
             return
         evidence = self._evidence()
         newest = evidence.supported_step
-        if newest > self.outer_step and not self._sync_state(min_step=newest, reason="join", attempts=3,
-                                                             candidates=evidence.donors_at(newest)):
+        if newest <= self.outer_step:
+            return
+        synced = self._sync_state(min_step=newest, reason="join", attempts=3, candidates=evidence.donors_at(newest))
+        if not synced and not self.stop.requested:  # a stop cuts the download short: nothing to report
             self.status.log(f"could not download the swarm's state (outer step {newest}); "
                             f"continuing from outer step {self.outer_step}")
 
