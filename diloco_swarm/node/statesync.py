@@ -275,7 +275,7 @@ class StateSync:
                         peer, timeout=STATE_CHUNK_TIMEOUT_S, max_bytes=max_bytes, stop=self.stop.event
                     )
                 except Exception as e:
-                    self.status.log(f"state download from {peer} failed: {e}")
+                    self.status.log(f"state download from {peer} failed: {_download_problem(e)}")
                     continue
                 problem = self._check_state(meta, tensors, min_step)
                 if problem is not None:
@@ -361,3 +361,12 @@ def theta_digest(theta: list[torch.Tensor]) -> str:
     from diloco_swarm.averaging.averager import tensors_digest
 
     return tensors_digest(theta)
+
+
+def _download_problem(e: BaseException) -> str:
+    """One line for a failed state download; libp2p's dial failure ("Connect failed. msg=failed to
+    dial: ... all dials failed") in words."""
+    text = str(e).strip() or type(e).__name__
+    if "failed to dial" in text or "Connect failed" in text:
+        return "could not connect to it (it may have just left or restarted)"
+    return text
