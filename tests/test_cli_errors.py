@@ -271,6 +271,38 @@ def test_the_printed_join_line_joins_the_run(first_node, tmp_path):
 
 @pytest.mark.swarm
 @pytest.mark.timeout(150)
+def test_a_wrong_run_id_is_not_reported_as_nat(first_node, tmp_path):
+    """Joining a live peer with another --run-id: the dial-back check finds no peer of that run. The
+    node says so, and warns that it sees no peer of its run, instead of blaming a home router."""
+    _, start, run_id, _ = first_node
+    other = f"{run_id}-typo"
+    metrics = tmp_path / "wrong-run.jsonl"
+    proc = subprocess.Popen([*NODE, *SMALL, "--host", "127.0.0.1", "--port", "0", "--run-id", other,
+                             "--initial-peers", start["maddrs"][0], "--state-dir", str(tmp_path / "state-w"),
+                             "--metrics-file", str(metrics), *FAST],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and '"event": "eval"' not in (
+                metrics.read_text() if metrics.exists() else ""):
+            time.sleep(0.3)
+        assert proc.poll() is None, f"the node exited with {proc.returncode}"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert f"no peer of run '{other}' is known yet" in err, err[-2000:]
+    assert f"sees no other peer of run '{other}'" in err, err[-2000:]
+    assert "--client-mode" not in err and "home router" not in err, err[-2000:]
+    records = [json.loads(x) for x in metrics.read_text().splitlines() if x.endswith("}")]
+    assert [r["reachable"] for r in records if r.get("event") == "reachability"] == [None]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(150)
 def test_sigint_stops_a_running_node_cleanly_within_15_s(first_node):
     proc, _, _, tmp_path = first_node
     proc.send_signal(signal.SIGINT)

@@ -274,8 +274,8 @@ class Startup:
         if not cfg.initial_peers:
             return "unknown"  # the first peer: whoever joins through it proves it reachable
         maddrs = transport_addrs(visible_maddrs(self.dht))
-        candidates = [p for p in state_donors(self.dht, self.spec.run_id) if p != self.peer_id]
-        candidates += [p for p in peer_ids_of(cfg.initial_peers) if p not in candidates and p != self.peer_id]
+        of_this_run = [p for p in state_donors(self.dht, self.spec.run_id) if p != self.peer_id]
+        candidates = of_this_run + [p for p in peer_ids_of(cfg.initial_peers) if p not in of_this_run and p != self.peer_id]
         verdict = check_reachability(self.dht, self.spec.run_id, candidates, maddrs, stop=self.stop.event)
         self.metrics.write({"event": "reachability", "peer_id": self.peer_id, "reachable": verdict.reachable,
                             "responder": verdict.responder, "reason": verdict.reason, "maddrs": maddrs})
@@ -283,6 +283,11 @@ class Startup:
             self.reachability = "public"
             self.status.log(f"reachable: peer {verdict.responder} dialed us back; serving as a full peer")
             return "reachable"
+        if verdict.reachable is None and not of_this_run:
+            # the --initial-peers serve no handler of this run: likely another --run-id, not NAT (warned next)
+            self.status.log(f"could not check reachability: no peer of run '{self.spec.run_id}' is known yet and the "
+                            f"--initial-peers did not answer for this run ({verdict.reason}); serving as a full peer")
+            return "unknown"
         if verdict.reachable is None:
             self.status.log(f"could not check reachability ({verdict.reason}); serving as a full peer. Behind a home "
                             "router without port forwarding? Restart with --client-mode")
