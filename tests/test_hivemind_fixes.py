@@ -1,6 +1,6 @@
 """Workarounds for hivemind bugs (diloco_swarm.utils.hivemind_fixes): the log filter that keeps a child
 process from printing a traceback when a request from an exiting node cannot be read, paced group
-key reads, and the daemon's socket files in one directory per process."""
+key reads, the partial-round percentage at DEBUG, and the daemon's socket files in one directory per process."""
 
 import logging
 import os
@@ -41,6 +41,29 @@ def test_other_errors_keep_their_traceback(caplog):
     assert records[0].levelno == logging.ERROR and records[0].exc_info is not None
     records = _log_from("_store", "hivemind.dht.dht", ConnectionResetError(104, "x"), caplog)  # elsewhere
     assert records[0].levelno == logging.ERROR and records[0].exc_info is not None
+
+
+def test_a_partial_rounds_rounded_percentage_is_demoted_to_debug(caplog):
+    """hivemind's "received 100.0% results" for a round with a few values missing would contradict the
+    node's own exact line; it stays visible at DEBUG."""
+    import asyncio
+
+    import torch
+    from hivemind.averaging.partition import TensorPartContainer
+
+    async def finalize_partial():
+        container = TensorPartContainer([torch.zeros(10_000)], peer_fractions=[0.5, 0.5])
+        container.failed_size = 3  # what a reducer lost
+        container.finalize()
+
+    with caplog.at_level(logging.DEBUG, logger="hivemind.averaging.partition"):
+        asyncio.run(finalize_partial())
+    records = [r for r in caplog.records if "received" in r.getMessage()]
+    assert [(r.levelno, r.getMessage()) for r in records] == [(logging.DEBUG, "Averaging: received 100.0% results")]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hivemind.averaging.partition"):
+        asyncio.run(finalize_partial())
+    assert not [r for r in caplog.records if "received" in r.getMessage()]
 
 
 def test_group_key_reads_are_paced():

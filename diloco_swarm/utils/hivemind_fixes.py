@@ -163,6 +163,18 @@ class _QuietPipeErrors(logging.Filter):
         return True
 
 
+class _QuietPartialResults(logging.Filter):
+    """Demote the partition's "Averaging: received 99.9% results" to DEBUG: rounded, it can read
+    "100.0%" for a partial round, and the node's own round line gives the exact count of values
+    missing (averaging/averager.py: "partial round: N of M values missing")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.funcName == "finalize" and str(record.msg).startswith("Averaging: received"):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
 def _paced_get_averagers(get_averagers):
     """``GroupKeyManager.get_averagers``, at most once per :data:`MIN_GROUP_POLL_S` per key manager."""
 
@@ -304,6 +316,9 @@ def patch_hivemind() -> None:
         log = logging.getLogger(name)
         if not any(isinstance(f, _QuietPipeErrors) for f in log.filters):
             log.addFilter(_QuietPipeErrors())
+    partition_log = logging.getLogger("hivemind.averaging.partition")
+    if not any(isinstance(f, _QuietPartialResults) for f in partition_log.filters):
+        partition_log.addFilter(_QuietPartialResults())
     from hivemind.p2p import P2P
 
     if not getattr(P2P, "__own_socket_dir__", False):
