@@ -161,7 +161,7 @@ def test_eager_benchmark_runs_at_toy_size(tmp_path):
 def test_staleness_benchmark_runs_at_toy_size(tmp_path):
     from bench.common import provenance
     from bench.eager import SEEDS
-    from bench.staleness import OUTER_STEPS, VARIANTS, run, section
+    from bench.staleness import LATE, OUTER_STEPS, VARIANTS, run, section
 
     result = {"name": "staleness", "size": "smoke", **run("smoke")}
     assert list(result["curves_by_seed"]) == [str(s) for s in SEEDS]
@@ -169,10 +169,11 @@ def test_staleness_benchmark_runs_at_toy_size(tmp_path):
         assert list(curves) == list(VARIANTS)
         # a held-out loss at the start and after every outer step; the first round is the same in both modes
         assert all(len(c) == OUTER_STEPS["smoke"] + 1 and all(x == x and x > 0 for x in c) for c in curves.values())
-        assert curves["blocking"][1] == curves["own, ⅓ late"][1]
+        assert all(curves["blocking"][1] == curves[v][1] for v in LATE)
     result.update(elapsed_s=1.0, loadavg_end=None, provenance=provenance("python -m bench.staleness"))
     text = section(result, tmp_path / "staleness.smoke.json")
     assert "<!-- bench:staleness size=smoke -->" in text and "after outer step 3" in text and "Mean over 3 seeds" in text
+    assert all(f"| {v} |" in text for v in LATE)
 
 
 def _check_scale(result: dict, text: str) -> None:
