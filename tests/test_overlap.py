@@ -82,3 +82,22 @@ def test_two_nodes_overlap_rounds_agree_and_survive_a_crash_mid_round(tmp_path):
                                if r["time"] > b.events("start")[-1]["time"])
                    and sum(r["round_ok"] for r in a.outer_steps()) > ok_before,
                    180, "b averages after restart, and a's record of that round", b)
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_checkpoint_write_is_said_and_training_goes_on(tmp_path):
+    """A full disk under the state dir (the ``disk-full`` fault: every write after the first fails
+    with ENOSPC): the node says so once, keeps training to the end, records each failure, and its
+    leave names the outer step the checkpoint on disk holds, which is the one a restart resumes."""
+    with Swarm(tmp_path, "diskfull", extra=["--max-outer-steps", "4", "--fault", "disk-full"]) as swarm:
+        node = swarm.start("n", timeout=START_S)
+        assert swarm.wait_exit(node, 240) == 0, node.output()[-3000:]
+    assert [r["outer_step"] for r in node.outer_steps()] == [1, 2, 3, 4]
+    failed = node.events("checkpoint_failed")
+    assert [(e["outer_step"], e["on_disk_outer_step"]) for e in failed] == [(2, 1), (3, 1), (4, 1)], failed
+    assert all(e["reason"] == "No space left on device" for e in failed), failed
+    assert digest_of_checkpoint(node)[0] == 1
+    out = node.output()
+    assert out.count("warning: could not write the checkpoint") == 1, out[-3000:]  # once per reason
+    assert "a restart would resume from outer step 1" in out, out[-3000:]
+    assert "warning: the checkpoint on disk is outer step 1: writing outer step 4 failed (No space left on device)" in out

@@ -75,7 +75,7 @@ class Compression(str, Enum):
 
 
 MAX_NAME = 64  # = dht/records.py MAX_NAME (not imported here: it loads hivemind)
-FAULT_NAMES = ("", "nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part", "lonely")  # = node/faults.py FAULTS
+FAULT_NAMES = ("", "nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part", "lonely", "disk-full")  # = node/faults.py FAULTS
 
 
 class SyncMode(str, Enum):

@@ -18,12 +18,15 @@ all-reduce, and torchft's ``EventInjector`` injects failures from outside).
 - ``claim-ahead``: this peer claims an outer step 1000 ahead of its own everywhere others read it
   (round metadata, state donation, its signed record and donor priority), with its real θ_global:
   a forged "newest state" that would make the others download its model.
+- ``disk-full``: every checkpoint write after the first :data:`DISK_FULL_AFTER` fails with ENOSPC
+  (a state dir on a disk that fills up).
 - ``--slowdown F``: every inner step takes F times as long (a slower machine).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
 from pathlib import Path
 from typing import AsyncIterator
@@ -33,7 +36,8 @@ import torch
 
 from diloco_swarm.node.runner import Node
 
-FAULTS = ("nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part", "lonely")
+FAULTS = ("nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part", "lonely", "disk-full")
+DISK_FULL_AFTER = 1
 HUGE_FACTOR = 1e6
 CLAIM_AHEAD_STEPS = 1000
 STALL_MARKER_NAME = "allreduce-stalled"
@@ -54,7 +58,7 @@ def node_type(fault: str, slowdown: float = 1.0) -> type[Node]:
     bases += {"": [], "nan": [NonFiniteScalesNode], "huge": [HugeContributionNode],
               "stall-allreduce": [StallingNode], "claim-ahead": [ClaimAheadNode],
               "withhold-digest": [WithholdingNode],
-              "drop-part": [DroppingNode], "lonely": [LonelyNode]}[fault]
+              "drop-part": [DroppingNode], "lonely": [LonelyNode], "disk-full": [DiskFullNode]}[fault]
     return type("FaultyNode", (*bases, Node), {}) if bases else Node
 
 
@@ -66,6 +70,16 @@ class SlowInnerSteps(Node):
         loss = super()._inner_step(x, y)
         time.sleep((self.cfg.slowdown - 1.0) * (time.monotonic() - t0))
         return loss
+
+
+class DiskFullNode(Node):
+    _writes = 0
+
+    def _store_checkpoint(self, state) -> None:
+        if self._writes >= DISK_FULL_AFTER:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        super()._store_checkpoint(state)
+        self._writes += 1
 
 
 class HugeContributionNode(Node):

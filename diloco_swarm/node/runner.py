@@ -87,6 +87,7 @@ class StopFlag:
         self.status = status
         self.training = False  # set once set-up is done
         self.has_checkpoint = False  # set once a checkpoint is on disk or being written
+        self.checkpoint_problem: str | None = None  # why the newest checkpoint write failed (None: it did not)
 
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._handle)
@@ -101,7 +102,10 @@ class StopFlag:
             remove_socket_dir()  # os._exit skips atexit
             os._exit(130)
         self.event.set()
-        if self.training and self.has_checkpoint:
+        if self.training and self.checkpoint_problem:
+            self.status.log(f"stopping: {self.checkpoint_problem}; a round in flight is dropped "
+                            "(press Ctrl+C again to quit at once)")
+        elif self.training and self.has_checkpoint:
             self.status.log("stopping: the last checkpoint is kept, a round in flight is dropped "
                             "(press Ctrl+C again to quit at once)")
         elif self.training:
@@ -143,6 +147,8 @@ class Node(Startup, StateSync, Mixing):
         self._checkpoints = Worker("checkpoint")  # writes, in order; never queued behind a slow DHT call
         self._reconnect = Worker("reconnect")  # ReconnectPeers passes (node/redial.py); dials take seconds
         self._last_checkpoint = None  # future of the newest checkpoint write
+        self._checkpoint_on_disk: int | None = None  # outer step of the newest checkpoint written (None: none yet)
+        self._checkpoint_failure: str | None = None  # why the last write failed (said once per reason)
         self.swarm_inner_step_s: float | None = None  # the online peers' median (DyLU)
         self.swarm_phase_eta: float | None = None  # the other online peers' median phase_eta (unix time)
         self._theta_version = 0  # bumped at every change of θ_global (under the state lock)
@@ -717,7 +723,37 @@ class Node(Startup, StateSync, Mixing):
 
     def _checkpoint(self) -> None:
         self.stop.has_checkpoint = True
-        save_checkpoint(self.cfg.state_dir, self._checkpoint_state())
+        self._write_checkpoint(self._checkpoint_state())
+
+    def _write_checkpoint(self, state: dict[str, Any]) -> None:
+        """Write ``state`` (any thread). A failed write (a full disk, a read-only remount) costs only
+        our restart point, not the swarm's training: it is said once per reason, in the metrics and
+        at the stop, and the node trains on; the previous checkpoint stays on disk."""
+        try:
+            self._store_checkpoint(state)
+        except OSError as e:
+            reason = e.strerror or str(e)
+            on_disk = f"outer step {self._checkpoint_on_disk}" if self._checkpoint_on_disk is not None else "none yet"
+            self.stop.checkpoint_problem = (f"the checkpoint on disk is {on_disk}: writing outer step "
+                                            f"{state['outer_step']} failed ({reason})")
+            self.metrics.write({"event": "checkpoint_failed", "peer_id": self.peer_id,
+                                "outer_step": state["outer_step"], "reason": reason,
+                                "on_disk_outer_step": self._checkpoint_on_disk})
+            if reason != self._checkpoint_failure:
+                self.status.log(f"warning: could not write the checkpoint of outer step {state['outer_step']} in "
+                                f"{self.cfg.state_dir} ({reason}); training goes on, but a restart would resume from "
+                                f"{on_disk if self._checkpoint_on_disk is not None else 'the start'}. Free some space "
+                                "there; the next outer step tries again")
+            self._checkpoint_failure = reason
+            return
+        if self._checkpoint_failure is not None:
+            self.status.log(f"the checkpoint is written again (outer step {state['outer_step']})")
+        self._checkpoint_failure, self.stop.checkpoint_problem = None, None
+        self._checkpoint_on_disk = state["outer_step"]
+
+    def _store_checkpoint(self, state: dict[str, Any]) -> None:
+        """:raises OSError: the write failed (node/checkpoint.py: save_checkpoint)."""
+        save_checkpoint(self.cfg.state_dir, state)
 
     def _checkpoint_state(self) -> dict[str, Any]:
         """A consistent copy of what the checkpoint holds (tensors cloned: it may be written later)."""
@@ -736,7 +772,7 @@ class Node(Startup, StateSync, Mixing):
         """Snapshot the state now (training thread), write it on the housekeeping thread."""
         state = self._checkpoint_state()
         self.stop.has_checkpoint = True
-        self._last_checkpoint = self._checkpoints.submit(save_checkpoint, self.cfg.state_dir, state)
+        self._last_checkpoint = self._checkpoints.submit(self._write_checkpoint, state)
 
     def _dht_upkeep(self) -> None:
         """Housekeeping thread: publish our record, refresh the run spec, read the swarm's records
@@ -842,6 +878,8 @@ class Node(Startup, StateSync, Mixing):
         if self._last_checkpoint is not None:
             with contextlib.suppress(Exception):
                 self._last_checkpoint.result(timeout=CHECKPOINT_WRITE_TIMEOUT_S)
+        if self.stop.checkpoint_problem:
+            self.status.log(f"warning: {self.stop.checkpoint_problem}")
         self.metrics.write({"event": "stop", "peer_id": self.peer_id, "outer_step": self.outer_step,
                             "graceful": self.lost is None, "reason": self.lost,
                             "goodput": round(self.stats.goodput(), 4)})

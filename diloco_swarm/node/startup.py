@@ -114,6 +114,7 @@ class Startup:
         self.outer_step = 0
         if checkpoint is not None:
             self._restore(checkpoint)
+            self._checkpoint_on_disk = self.outer_step
             self.stop.has_checkpoint = True
             self.status.log(f"resumed from {checkpoint_path(cfg.state_dir)} at outer step {self.outer_step}")
             # the state we hold: with another holder's record, evidence for a joiner (node/statesync.py)
