@@ -254,7 +254,7 @@ def test_a_write_killed_midway_leaves_a_temp_file_that_the_next_start_removes(tm
     assert remove_stale_temp_files(tmp_path / "no-such-dir") == []
 
 
-def test_resume_refuses_non_finite_inner_optimizer_state(tmp_path):
+def test_resume_refuses_non_finite_state_and_negative_counters(tmp_path):
     """A checkpoint whose bytes were flipped can still load; NaN in the inner AdamW state must be
     refused at resume (one clear error), not trained on until "diverged"."""
     from diloco_swarm.models import build_model
@@ -281,4 +281,8 @@ def test_resume_refuses_non_finite_inner_optimizer_state(tmp_path):
     fresh_node()._restore(ckpt)  # a healthy checkpoint resumes
     next(iter(ckpt["inner_optimizer"]["state"].values()))["exp_avg"][0] = float("nan")
     with pytest.raises(CheckpointError, match="non-finite"):
+        fresh_node()._restore(ckpt)
+    next(iter(ckpt["inner_optimizer"]["state"].values()))["exp_avg"][0] = 0.0
+    ckpt["outer_step"] = -5  # a hand-edited counter: a node would resume "at outer step -5"
+    with pytest.raises(CheckpointError, match="outer_step = -5"):
         fresh_node()._restore(ckpt)

@@ -241,13 +241,14 @@ def test_joining_with_another_run_spec_names_the_differing_fields(first_node, tm
 @pytest.mark.swarm
 @pytest.mark.timeout(150)
 def test_the_printed_join_line_joins_the_run(first_node, tmp_path):
-    """The node's "to join from another machine" line carries the run-spec flags that differ from
+    """The node's "to join from ..." line carries the run-spec flags that differ from
     the defaults: pasted as printed (plus local flags), it joins instead of failing the spec check."""
     import shlex
 
     _, start, run_id, first_dir = first_node
-    line = next(x for x in (first_dir / "a.stderr").read_text().splitlines() if "to join from another machine:" in x)
-    command = shlex.split(line.split("to join from another machine:", 1)[1])
+    # it listens on 127.0.0.1 only, so the line says "from this machine"
+    line = next(x for x in (first_dir / "a.stderr").read_text().splitlines() if "to join from this machine:" in x)
+    command = shlex.split(line.split("to join from this machine:", 1)[1])
     assert command[:2] == ["diloco-node", "join"] and run_id in command, command
     assert {"--inner-steps", "--seq-len", "--compression"} <= set(command), command  # first_node's non-defaults
     assert "--batch-size" not in command and "--threads" not in command  # local flags stay out

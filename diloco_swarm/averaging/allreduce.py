@@ -256,7 +256,9 @@ class ConsensusAllReduceRunner(AllReduceRunner):
             if part_index != expected_parts:
                 raise AllreduceException(f"{peer_id} sent {part_index} parts, expected {expected_parts}")
         except BaseException as e:
-            reason = GONE_REASON if peer_id in self._gone else repr(e) if isinstance(e, Exception) else type(e).__name__
+            reason = (GONE_REASON if peer_id in self._gone else
+                      f"its averaged part did not come within {self.reducer_timeout:g} s" if isinstance(e, TimeoutError)
+                      else repr(e) if isinstance(e, Exception) else type(e).__name__)
             self.stats.failed_reducers[peer_id.to_base58()] = reason[:200]
             self.tensor_part_container.register_failed_reducer(peer_index)
             self.stats.failed_values = self.tensor_part_container.failed_size

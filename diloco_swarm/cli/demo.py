@@ -48,7 +48,7 @@ def stop_nodes(procs: list[subprocess.Popen], console: Console) -> None:
     running = [p for p in procs if p.poll() is None]
     if not running:
         return
-    say(console, "demo: stopping the nodes; each keeps its checkpoint (Ctrl+C again to kill them at once)")
+    say(console, "demo: stopping the nodes; each keeps its last checkpoint, if it has one (Ctrl+C again to kill them at once)")
     for p in running:
         p.send_signal(signal.SIGINT)
     deadline = time.monotonic() + STOP_TIMEOUT_S

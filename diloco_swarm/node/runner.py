@@ -668,7 +668,7 @@ class Node(Startup, StateSync, Mixing):
         self._housekeeping.submit(self._dht_upkeep)
         self._status(force=True)
         for peer, why in outcome.result.rejected_peers.items():
-            self.status.log(f"outer step {self.outer_step}: peer {peer} was refused: {why}")
+            self.status.log(f"outer step {self.outer_step}: peer {peer} was left out of the round: {why}")
 
     def _round_record(self, handoff: Handoff, outcome: RoundOutcome, round_step: int) -> dict[str, Any]:
         """The ``outer_step`` metrics record (docs/metrics.md)."""

@@ -30,6 +30,17 @@ MAX_INNER_STEPS_FACTOR = 2
 ROUND_MARGIN_S = 30.0  # past the round's own time bounds, a phase gives the round up
 
 
+def _is_loopback(maddr: str) -> bool:
+    """Whether a multiaddr's host is a loopback address (/ip4/127.x or /ip6/::1)."""
+    import ipaddress
+
+    parts = maddr.split("/")
+    try:
+        return len(parts) > 2 and parts[1] in ("ip4", "ip6") and ipaddress.ip_address(parts[2]).is_loopback
+    except ValueError:
+        return False
+
+
 def process_age_s() -> float | None:
     """Seconds since this process started (Linux: /proc), i.e. the interpreter and the imports
     before the node's own start-up; None where /proc is not there."""
@@ -176,8 +187,10 @@ class Startup:
                             "public peer, e.g. the one in your --initial-peers")
         else:
             peers = " ".join(f"--initial-peers {a}" for a in addrs) or "--initial-peers <this node's multiaddr>"
-            self.status.log("to join from another machine: diloco-node join --run-id {} {}{}".format(  # one flag per address: pastes as is
-                spec.run_id, "".join(f"{f} " for f in cfg.join_flags), peers))
+            # a node listening on loopback only (--host 127.0.0.1, the demo) is reachable from this machine alone
+            where = "this machine" if addrs and all(_is_loopback(a) for a in addrs) else "another machine"
+            self.status.log("to join from {}: diloco-node join --run-id {} {}{}".format(  # one flag per address: pastes as is
+                where, spec.run_id, "".join(f"{f} " for f in cfg.join_flags), peers))
         self.metrics.write(
             {
                 "event": "start",
@@ -309,6 +322,11 @@ class Startup:
             self.outer_step = int(ckpt["outer_step"])
             self.stats.inner_steps_total = int(ckpt["inner_steps_total"])
             self.stats.tokens_total = int(ckpt["tokens_total"])
+            counters = {"outer_step": self.outer_step, "inner_steps_total": self.stats.inner_steps_total,
+                        "tokens_total": self.stats.tokens_total}
+            negative = [f"{name} = {value}" for name, value in counters.items() if value < 0]
+            if negative:
+                raise ValueError(f"a negative counter: {', '.join(negative)}")
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
             raise CheckpointError(
                 f"checkpoint {checkpoint_path(self.cfg.state_dir)} does not fit this model ({e}); "
