@@ -140,19 +140,19 @@ def export_model(state_dir: Path, out: Path) -> dict[str, Any]:
     """
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out {out} already exists and is not empty; choose a new folder (nothing was written)")
-    module, spec, config = node_model(state_dir)
-    _, _, ckpt = read_global_state(state_dir)
-    hf_model = gpt_to_gpt2(module) if config is None else module.hf
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # one summary line from the CLI instead
-    try:
+    try:  # before the checkpoint is read (seconds): an unwritable --out is said at once
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     except OSError as e:  # the message names --out, not the temp folder next to it
         raise ExportError(f"--out {out} cannot be written ({e.strerror or type(e).__name__}); choose a writable "
                           "folder (nothing was written)") from None
     try:
+        module, spec, config = node_model(state_dir)
+        _, _, ckpt = read_global_state(state_dir)
+        hf_model = gpt_to_gpt2(module) if config is None else module.hf
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one summary line from the CLI instead
         hf_model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer_files = _copy_tokenizer(state_dir / MODEL_DIR, tmp)
         info = {"model": spec.model, "tokenizer": spec.tokenizer, "vocab_size": spec.vocab_size,
