@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from diloco_swarm.cli.text import printable
+from diloco_swarm.cli.text import DEFAULT_RUN_ID, printable
 
 
 def _show_flags_bare() -> None:
@@ -134,7 +134,7 @@ AVERAGING = "Averaging"
 
 @app.command()
 def join(
-    run_id: Annotated[str, typer.Option(help="Name of the training run; peers with the same run id train together. The default is shared by every node started without --run-id (each `diloco-node demo` uses its own, demo-YYYYMMDD-HHMMSS).", rich_help_panel=SWARM)] = "diloco-demo",
+    run_id: Annotated[str, typer.Option(help="Name of the training run; peers with the same run id train together. The default is shared by every node started without --run-id (each `diloco-node demo` uses its own, demo-YYYYMMDD-HHMMSS).", rich_help_panel=SWARM)] = DEFAULT_RUN_ID,
     initial_peers: Annotated[Optional[list[str]], typer.Option("--initial-peers", help="Multiaddr of a running node (/ip4/HOST/tcp/PORT/p2p/PEER_ID), as printed by that node. Repeat or separate with spaces. Omit to start a new swarm.", rich_help_panel=SWARM)] = None,
     host: Annotated[str, typer.Option(help="Address to listen on. 0.0.0.0 = all interfaces; 127.0.0.1 = this machine only.", rich_help_panel=SWARM)] = "0.0.0.0",
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port to listen on; 0 = any free port.", rich_help_panel=SWARM)] = 0,

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.text import Text
 
 from diloco_swarm.cli.status import LIGHT_HELP
+from diloco_swarm.cli.text import DEFAULT_RUN_ID
 
 
 def _server_class():
@@ -39,7 +40,7 @@ def _server_class():
 
 def dashboard(
     initial_peers: Annotated[list[str], typer.Option("--initial-peers", help="Multiaddr of any node of the swarm (/ip4/HOST/tcp/PORT/p2p/PEER_ID), as printed by that node. Repeat or separate with spaces.")],
-    run_id: Annotated[str, typer.Option(help="The run to show.")] = "diloco-demo",
+    run_id: Annotated[str, typer.Option(help="The run to show.")] = DEFAULT_RUN_ID,
     port: Annotated[int, typer.Option(min=1, max=65535, help="HTTP port of the page.")] = 8080,
     host: Annotated[str, typer.Option(help="HTTP address: 127.0.0.1 = this machine only; 0.0.0.0 = public (put a TLS proxy in front).")] = "127.0.0.1",
     state_dir: Annotated[Path, typer.Option(help="Where the chart history is kept (dashboard-history.json), so a restart keeps the charts.")] = Path("diloco-dashboard"),

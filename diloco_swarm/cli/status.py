@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from diloco_swarm.cli.text import printable
+from diloco_swarm.cli.text import DEFAULT_RUN_ID, printable
 
 STALE_AFTER_S = 20.0
 REDIAL_EVERY_S = 10.0  # a reader that finds no record re-dials its --initial-peers at most this often
@@ -236,7 +236,7 @@ def summary_line(totals: dict[str, Any]) -> str:
 
 def status(
     initial_peers: Annotated[list[str], typer.Option("--initial-peers", help="Multiaddr of any node of the swarm (/ip4/HOST/tcp/PORT/p2p/PEER_ID), as printed by that node. Repeat or separate with spaces.")],
-    run_id: Annotated[str, typer.Option(help="The run to show.")] = "diloco-demo",
+    run_id: Annotated[str, typer.Option(help="The run to show.")] = DEFAULT_RUN_ID,
     json_output: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of the table.")] = False,
     stale_after: Annotated[float, typer.Option(min=1.0, help="A peer whose record is older than this many seconds is shown as stale.")] = STALE_AFTER_S,
     light: Annotated[bool, typer.Option("--light", help=LIGHT_HELP)] = False,
@@ -271,7 +271,9 @@ def status(
         print(json.dumps(doc, indent=2, allow_nan=False))
         return
     if not rows:
-        out.print(Text(f"no peer records found for run '{run_id}': is the run id right, and are its nodes running?"), soft_wrap=True)
+        hint = " (the default; give the --run-id your nodes print)" if run_id == DEFAULT_RUN_ID else ""
+        out.print(Text(f"no peer records found for run '{run_id}'{hint}: is the run id right, and are its nodes running?"),
+                  soft_wrap=True)
         return
     out.print(render_table(rows, run_id, width=out.width))
     out.print(Text(summary_line(totals)))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+DEFAULT_RUN_ID = "diloco-demo"  # the run of every command given no --run-id (join, status, dashboard)
+
 
 def printable(value: Any) -> str:
     """``str(value)`` fit for one terminal line: whitespace (newlines, tabs) becomes a space, and other
