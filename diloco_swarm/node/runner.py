@@ -732,18 +732,17 @@ class Node(Startup, StateSync, Mixing):
         try:
             self._store_checkpoint(state)
         except OSError as e:
-            reason = e.strerror or str(e)
-            on_disk = f"outer step {self._checkpoint_on_disk}" if self._checkpoint_on_disk is not None else "none yet"
-            self.stop.checkpoint_problem = (f"the checkpoint on disk is {on_disk}: writing outer step "
-                                            f"{state['outer_step']} failed ({reason})")
+            reason, on_disk = e.strerror or str(e), self._checkpoint_on_disk
+            held = f"the checkpoint on disk is outer step {on_disk}" if on_disk is not None else "no checkpoint is on disk yet"
+            self.stop.checkpoint_problem = f"{held}: writing outer step {state['outer_step']} failed ({reason})"
             self.metrics.write({"event": "checkpoint_failed", "peer_id": self.peer_id,
                                 "outer_step": state["outer_step"], "reason": reason,
-                                "on_disk_outer_step": self._checkpoint_on_disk})
+                                "on_disk_outer_step": on_disk})
             if reason != self._checkpoint_failure:
                 self.status.log(f"warning: could not write the checkpoint of outer step {state['outer_step']} in "
                                 f"{self.cfg.state_dir} ({reason}); training goes on, but a restart would resume from "
-                                f"{on_disk if self._checkpoint_on_disk is not None else 'the start'}. Free some space "
-                                "there; the next outer step tries again")
+                                f"{'the start' if on_disk is None else f'outer step {on_disk}'}. Free some space "
+                                "there (or make it writable again); the next outer step tries again")
             self._checkpoint_failure = reason
             return
         if self._checkpoint_failure is not None:
