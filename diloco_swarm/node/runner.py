@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -88,6 +88,7 @@ class StopFlag:
         self.training = False  # set once set-up is done
         self.has_checkpoint = False  # set once a checkpoint is on disk or being written
         self.checkpoint_problem: str | None = None  # why the newest checkpoint write failed (None: it did not)
+        self.round_in_flight: Callable[[], bool] = lambda: False  # set by the node
 
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._handle)
@@ -102,12 +103,11 @@ class StopFlag:
             remove_socket_dir()  # os._exit skips atexit
             os._exit(130)
         self.event.set()
+        dropped = ", the round in flight is dropped" if self.round_in_flight() else ""
         if self.training and self.checkpoint_problem:
-            self.status.log(f"stopping: {self.checkpoint_problem}; a round in flight is dropped "
-                            "(press Ctrl+C again to quit at once)")
+            self.status.log(f"stopping: {self.checkpoint_problem}{dropped} (press Ctrl+C again to quit at once)")
         elif self.training and self.has_checkpoint:
-            self.status.log("stopping: the last checkpoint is kept, a round in flight is dropped "
-                            "(press Ctrl+C again to quit at once)")
+            self.status.log(f"stopping: the last checkpoint is kept{dropped} (press Ctrl+C again to quit at once)")
         elif self.training:
             self.status.log("stopping: no outer step applied yet, so there is no checkpoint to keep "
                             "(press Ctrl+C again to quit at once)")
@@ -126,6 +126,7 @@ class Node(Startup, StateSync, Mixing):
         self.spec = config.spec
         self.status = status or StatusLine()
         self.stop = StopFlag(self.status)
+        self.stop.round_in_flight = lambda: self.sync is not None and self.sync.in_flight
         self.stats = NodeStats()
         self.dht = None
         self.averager = None
@@ -887,6 +888,9 @@ class Node(Startup, StateSync, Mixing):
                 self.averager.allow_state_sharing = False  # publishes "no longer a donor"
         if self.records is not None:
             self.records.stop(remove=self.lost is None)  # goodbye: our record disappears at once
+        if self.lost is None:
+            kept = "" if self.stop.checkpoint_problem or not self.stop.has_checkpoint else "; its checkpoint is kept"
+            self.status.log(f"stopped at outer step {self.outer_step}{kept}")
 
     # ------------------------------------------------------------------ supervision (node/watchdog.py, node/redial.py)
     lost: str | None = None  # set when a part of this node died: the node stops with PartLost (exit 3)
