@@ -62,6 +62,10 @@ def test_llama_tiny_on_parquet_two_peers_agree_export_and_resume(tmp_path, monke
         hf_model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
         tokenizer = AutoTokenizer.from_pretrained(str(out))
         assert type(hf_model).__name__ == "LlamaForCausalLM" and len(tokenizer) == 300
+        # generate() stops on the run's own <eos>, not on transformers' default id 2
+        eos = tokenizer.convert_tokens_to_ids("<eos>")
+        assert hf_model.config.eos_token_id == hf_model.generation_config.eos_token_id == eos
+        assert hf_model.config.bos_token_id is None  # this tokenizer has none
         prompt = tokenizer("the quick brown fox", return_tensors="pt").input_ids
         generated = hf_model.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)
         assert generated.shape[1] == prompt.shape[1] + 5

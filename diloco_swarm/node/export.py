@@ -153,8 +153,10 @@ def export_model(state_dir: Path, out: Path) -> dict[str, Any]:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # one summary line from the CLI instead
-        hf_model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer_files = _copy_tokenizer(state_dir / MODEL_DIR, tmp)
+        if config is not None and tokenizer_files:
+            _use_tokenizer_special_ids(hf_model, tmp)
+        hf_model.save_pretrained(str(tmp), safe_serialization=True)
         info = {"model": spec.model, "tokenizer": spec.tokenizer, "vocab_size": spec.vocab_size,
                 "architecture": type(hf_model).__name__, "run_id": spec.run_id, "dataset": spec.dataset,
                 "outer_step": int(ckpt.get("outer_step", 0)), "tokens_total": int(ckpt.get("tokens_total", 0)),
@@ -172,6 +174,25 @@ def export_model(state_dir: Path, out: Path) -> dict[str, Any]:
         raise
     info["files"] = sorted(p.name for p in out.iterdir())
     return info
+
+
+def _use_tokenizer_special_ids(hf_model, folder: Path) -> None:
+    """Set the model's bos/eos/pad token ids (config and generation config) to the run's tokenizer's.
+
+    A preset's ``LlamaConfig`` keeps transformers' defaults (bos 1, eos 2), which name other tokens
+    of a run's own tokenizer: ``generate()`` would stop on the wrong one. Training never reads them.
+    """
+    from diloco_swarm.data.tokenizer import TokenizerError, load_tokenizer
+
+    try:
+        tok = load_tokenizer(str(folder))._hf
+    except TokenizerError:
+        return  # the folder is exported as it is; the ids stay the config's
+    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    for target in (hf_model.config, getattr(hf_model, "generation_config", None)):
+        if target is not None:
+            for name, value in ids.items():
+                setattr(target, name, value)
 
 
 def _copy_tokenizer(folder: Path, out: Path) -> list[str]:
