@@ -57,6 +57,8 @@ CASES = {
     "peers-no-p2p": (["--initial-peers", "/ip4/127.0.0.1/tcp/1"], ["'/ip4/127.0.0.1/tcp/1'", "/p2p/PEER_ID"]),
     "announce-bad": (["--announce", "203.0.113.5:31337"], ["--announce", "'203.0.113.5:31337'", "not a multiaddr"]),
     "announce-bad-ip": (["--announce", "/ip4/203.0.113/tcp/5"], ["--announce", "not a multiaddr"]),
+    "announce-peer-id": (["--announce", "/ip4/203.0.113.5/tcp/5/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"],
+                         ["--announce", "/p2p/ part", "adds its own peer id"]),
     "client-and-public": (["--client-mode", "--public"], ["--client-mode and --public contradict"]),
     "host-not-an-ip": (["--host", "my-laptop"], ["--host", "'my-laptop'", "not an IP address"]),
     "dataset-missing": (["--dataset", "{tmp}/no-such-file.txt"], ["no-such-file.txt", "does not exist"]),

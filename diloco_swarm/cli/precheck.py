@@ -96,6 +96,9 @@ def check_announce(values: Sequence[str]) -> None:
     for a in values:
         if is_malformed_multiaddr(a):
             raise InputError(f"--announce: '{a}' is not a multiaddr (expected /ip4/PUBLIC_IP/tcp/PORT)")
+        if "/p2p/" in a:  # the node appends its own peer id; a second one makes an address nobody can dial
+            raise InputError(f"--announce: '{a}' has a /p2p/ part; give only /ip4/PUBLIC_IP/tcp/PORT "
+                             "(the node adds its own peer id)")
 
 
 def check_port(host: str, port: int) -> None:
