@@ -184,15 +184,20 @@ class Node(Startup, StateSync, Mixing):
         try:
             if not self._start():
                 return
+            trained = False
             while not self.stop.requested:
                 if self._reached_max_outer_steps():
                     if not self.sync.in_flight:
+                        if trained:  # (reached before any training: _start said so)
+                            self.status.log(f"outer step {self.outer_step} has reached --max-outer-steps "
+                                            f"{self.cfg.max_outer_steps}; leaving")
                         break
                     self._apply_round(wait=True)  # the last round: nothing left to overlap it with
                     continue
                 handoff = self._inner_phase()
                 if handoff is None:
                     break  # stop requested mid-phase
+                trained = True
                 self._hand_off(handoff)
                 if not self.sync.overlap:
                     self._apply_round(wait=True)
