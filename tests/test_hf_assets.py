@@ -346,3 +346,18 @@ def test_hf_model_folder_with_weights_is_the_starting_point(assets, tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(a.module.parameters(), pretrained.parameters()))
     config_only = build(resolve_model(f"hf:{assets.small_model}"), seed=0, vocab_size=320)
     assert config_only.identity == a.identity.split(",")[0]
+
+
+def test_a_few_documents_with_a_large_last_one_hold_out_its_tail_not_all_of_it(assets, tmp_path):
+    """Too few documents for the 1-in-50 rule: the last one is held out, unless it holds over a tenth
+    of the tokens; then only its last 5% is (a newcomer's 4 documents held out 68% of the data)."""
+    import datasets
+
+    from diloco_swarm.data.hf_corpus import is_held_out
+
+    docs = [d for d in assets.docs if not is_held_out(d)][:3]
+    docs.append(" ".join(assets.docs))  # the last document: more text than all the others together
+    datasets.Dataset.from_dict({"text": docs}).to_parquet(str(tmp_path / "few.parquet"))
+    corpus = build(assets, f"hf:{tmp_path / 'few.parquet'}").corpus
+    total = len(corpus.train) + len(corpus.held_out)
+    assert 0 < len(corpus.held_out) <= 0.05 * total, (len(corpus.held_out), total)

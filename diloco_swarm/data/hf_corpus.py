@@ -181,13 +181,13 @@ def load_hf_corpus(source: HFSource, tokenizer: Tokenizer, *, max_bytes: int | N
     if not train and not held:
         raise DatasetError(f"dataset {source.name!r}: column {source.column!r} of split {source.split!r} holds only "
                            "empty text")
-    if not held or not train:  # too few documents for the 1-in-50 rule: hold out the last one
+    if not held or not train:  # too few documents for the 1-in-50 rule: hold out the last one,
         docs = train + held
         train, held = docs[:-1], docs[-1:]
-    if not train:  # a single document: its last 5% is held out
-        only = held[0]
-        cut = len(only) - max(1, len(only) // 20)
-        train, held = [only[:cut]], [only[cut:]]
+        if 10 * len(held[0]) > sum(len(d) for d in docs):  # or, when it holds over a tenth of the tokens,
+            last = held[0]  # its last 5% (a single document too)
+            cut = len(last) - max(1, len(last) // 20)
+            train, held = train + [last[:cut]], [last[cut:]]
     return Corpus(description=local_identity(source), train=_join(train, sep, dtype), held_out=_join(held, sep, dtype),
                   n_files=len(train) + len(held))
 
