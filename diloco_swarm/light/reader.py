@@ -108,15 +108,23 @@ def read_swarm(initial_peers: list[str], run_id: str, *, budget_s: float = READ_
 def entries_reader(initial_peers: list[str], run_id: str, *, budget_s: float = READ_BUDGET_S):
     """A ``() -> list[PeerEntry] | None`` for ``status`` and the dashboard's poller (None: could not read)."""
 
+    said: list[str] = []  # the last problem logged: a poller says each once, not at every poll
+
+    def warn(message: str) -> None:
+        (logger.debug if said and said[-1] == message else logger.warning)(message)
+        said[:] = [message]
+
     def read() -> list[PeerEntry] | None:
         try:
-            return read_swarm(initial_peers, run_id, budget_s=budget_s).entries
+            entries = read_swarm(initial_peers, run_id, budget_s=budget_s).entries
         except LightError as e:
-            logger.warning(f"light client: {e}")
+            warn(f"light client: {e}")
             return None
         except Exception as e:  # never let a poller thread die on a peer's bytes
-            logger.warning(f"light client read failed: {e!r}")
+            warn(f"light client read failed: {e!r}")
             return None
+        said.clear()
+        return entries
 
     return read
 

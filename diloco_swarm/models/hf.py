@@ -154,7 +154,9 @@ def has_weights(folder: Path) -> bool:
 def load_pretrained(folder: Path) -> CausalLM:
     """``AutoModelForCausalLM.from_pretrained(folder)`` in float32 on the CPU, in training mode."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # no "Loading weights: 100%" bar in the node's log
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     return CausalLM(model.float().train())
 
