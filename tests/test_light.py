@@ -376,3 +376,17 @@ def test_base_install_without_torch_or_hivemind(swarm, tmp_path):
         r = cli(*command, python=python)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "pip install 'diloco-swarm[node]'" in r.stderr, r.stderr
+
+
+def test_a_dns_address_is_resolved_and_a_bad_name_is_one_clear_error():
+    """/dns4 multiaddrs (which hivemind's daemon dials) resolve to /ip4 ones; a name that does not
+    resolve is named in the error (localhost resolves from /etc/hosts: no network is used)."""
+    from diloco_swarm.light.client import LightError, parse_peer_maddr
+
+    peer = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    _, addrs = parse_peer_maddr(f"/dns4/localhost/tcp/4000/p2p/{peer}")
+    assert [str(a) for a in addrs] == ["/ip4/127.0.0.1/tcp/4000"]
+    _, addrs = parse_peer_maddr(f"/ip4/127.0.0.1/tcp/4000/p2p/{peer}")
+    assert [str(a) for a in addrs] == ["/ip4/127.0.0.1/tcp/4000"]
+    with pytest.raises(LightError, match="cannot resolve no-such-host.invalid"):
+        parse_peer_maddr(f"/dns4/no-such-host.invalid/tcp/4000/p2p/{peer}")

@@ -72,9 +72,8 @@ def parse_peers(initial_peers: list[str], light: bool) -> list[str]:
         for item in peers:
             try:
                 parse_peer_maddr(item)
-            except LightError:
-                raise ValueError(f"--initial-peers: '{item}' is not a multiaddr with a /p2p/PEER_ID part "
-                                 "(expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)") from None
+            except LightError as e:  # not a peer multiaddr, no TCP address, or a name that does not resolve
+                raise ValueError(f"--initial-peers: {e}") from None
     else:
         from diloco_swarm.dht.swarm import SwarmError, parse_initial_peers
 

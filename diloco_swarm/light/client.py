@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -66,10 +67,31 @@ def parse_peer_maddr(text: str):
         info = info_from_p2p_addr(multiaddr.Multiaddr(text))
     except Exception:
         raise LightError(f"'{text}' is not a peer multiaddr (expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)") from None
-    addrs = [a for a in info.addrs if str(a) and "tcp" in (p.name for p in a.protocols())]
+    addrs = [r for a in info.addrs if str(a) and "tcp" in (p.name for p in a.protocols()) for r in _resolved(a, text)]
     if not addrs:  # the light client dials TCP only
         raise LightError(f"'{text}' has no TCP address before /p2p/ (expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)")
     return info.peer_id, addrs
+
+
+_DNS_FAMILIES = {"dns": socket.AF_UNSPEC, "dns4": socket.AF_INET, "dns6": socket.AF_INET6}
+
+
+def _resolved(addr, text: str) -> list:
+    """``addr`` with a ``/dns``, ``/dns4`` or ``/dns6`` host replaced by its IP addresses (the system
+    resolver, as go-libp2p's daemon does for hivemind); other addresses as they are.
+
+    :raises LightError: the name does not resolve.
+    """
+    parts = str(addr).split("/")  # ["", "dns4", HOST, "tcp", PORT, ...]
+    if len(parts) < 3 or parts[1] not in _DNS_FAMILIES:
+        return [addr]
+    try:
+        infos = socket.getaddrinfo(parts[2], None, _DNS_FAMILIES[parts[1]], socket.SOCK_STREAM)
+    except OSError as e:
+        raise LightError(f"'{text}': cannot resolve {parts[2]} ({e.strerror or e})") from None
+    ips = dict.fromkeys(("ip4" if family == socket.AF_INET else "ip6", sockaddr[0])
+                        for family, _, _, _, sockaddr in infos if family in (socket.AF_INET, socket.AF_INET6))
+    return [multiaddr.Multiaddr("/".join(["", proto, ip, *parts[3:]])) for proto, ip in ips]
 
 
 class LightClient:
