@@ -67,6 +67,10 @@ CASES = {
     "metrics-file-folder": (["--metrics-file", "{tmp}/empty"], ["--metrics-file ", "empty: is a directory"]),
     "tokenizer-missing": (["--model", "llama-tiny", "--tokenizer", "/no-such-tokenizer"],
                           ["--tokenizer '/no-such-tokenizer' does not exist"]),
+    # a path under a local folder is a mistyped path, not a Hub id (which would wait out 25 s of retries offline)
+    "dataset-hf-typo": (["--dataset", "hf:empty/no-such-data"], ["dataset 'empty/no-such-data' does not exist"]),
+    "tokenizer-typo": (["--model", "llama-tiny", "--tokenizer", "empty/no-such-tokenizer"],
+                       ["--tokenizer 'empty/no-such-tokenizer' does not exist"]),
     # an unbounded timeout would make every call into the averager unbounded (click's ranges let inf through)
     "window-inf": (["--averaging-window", "inf"], ["--averaging-window must be a finite number"]),
     "allreduce-timeout-inf": (["--allreduce-timeout", "inf"], ["--allreduce-timeout must be a finite number"]),

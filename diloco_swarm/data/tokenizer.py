@@ -148,7 +148,11 @@ def load_tokenizer(arg: str) -> Tokenizer:
 
 
 def _looks_like_hub_id(arg: str) -> bool:
+    """``org/name`` or ``name``, and not a path under a local folder (``data/mine`` where ``data/``
+    exists is a mistyped path, not a Hub id to wait 25 s of retries for)."""
     parts = arg.split("/")
+    if len(parts) == 2 and os.path.isdir(parts[0]):
+        return False
     return 1 <= len(parts) <= 2 and all(p and not p.startswith(".") for p in parts) and not arg.startswith(("~", "/"))
 
 
