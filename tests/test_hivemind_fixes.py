@@ -177,6 +177,8 @@ def test_torchs_shared_memory_manager_survives_a_ctrl_c_to_the_group():
     """hivemind makes torch share memory through torch_shm_manager, in the node's process group: a
     Ctrl+C killed it and the node's next shared tensor (a DHT starting) failed or hung for good. The fixes
     start it with the stop signals ignored, and leave the node's own handler as it was."""
-    out = subprocess.run([sys.executable, "-c", SHM_CHILD], capture_output=True, text=True, timeout=90)
+    # a shell's background job inherits SIGINT ignored: give the child Python's usual handler to keep
+    out = subprocess.run([sys.executable, "-c", SHM_CHILD], capture_output=True, text=True, timeout=90,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "handler True" in out.stdout and "shared after SIGINT" in out.stdout, out.stdout
