@@ -249,8 +249,12 @@ def _own_socket_dir() -> str | None:
     _sweep_socket_dirs(root)
     try:
         path = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-", dir=root)
-        fd = os.open(os.path.join(path, SOCKET_DIR_LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+        # lock a file under another name, then rename it into place: a sweep by a process starting at the
+        # same moment never finds the lock file free and removes our new directory (seen in CI)
+        fresh = os.path.join(path, SOCKET_DIR_LOCK + ".new")
+        fd = os.open(fresh, os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)  # forked children share it (same open file); p2pd (exec) does not
+        os.rename(fresh, os.path.join(path, SOCKET_DIR_LOCK))
     except OSError:
         return None
     _socket_dir = (os.getpid(), path, fd)
