@@ -66,6 +66,39 @@ def test_a_partial_rounds_rounded_percentage_is_demoted_to_debug(caplog):
     assert not [r for r in caplog.records if "received" in r.getMessage()]
 
 
+_FD_SHARER_RESET = r"""
+import os, socket, struct, sys, time
+from multiprocessing import resource_sharer
+from multiprocessing.connection import Client
+if sys.argv[1] == "fixed":
+    import diloco_swarm.utils.hivemind_fixes  # noqa: F401  (installs the hook)
+r, w = os.pipe()
+resource_sharer.DupFd(r)  # what pickling a pipe's end for a child does: starts the sharer's thread
+address = resource_sharer._resource_sharer._address
+# a child that dies mid-fetch: it authenticates like a real client, then resets the connection
+conn = Client(address, authkey=__import__("multiprocessing").current_process().authkey)
+s = socket.socket(fileno=os.dup(conn.fileno()))
+s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+s.close(); conn.close()
+time.sleep(1.0)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_child_dying_while_it_fetches_a_descriptor_prints_no_traceback(fixed):
+    """The node's ``multiprocessing.resource_sharer`` thread hands a pipe's descriptor to the child that
+    reads a request; a child killed mid-fetch (SIGTERM to the process group) made it print a
+    ConnectionResetError traceback on the user's terminal. The unfixed run shows the test can fail."""
+    out = subprocess.run([sys.executable, "-c", _FD_SHARER_RESET, "fixed" if fixed else "plain"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr
+    if fixed:
+        assert "Traceback" not in out.stderr, out.stderr
+    else:
+        assert "Traceback" in out.stderr and "resource_sharer" in out.stderr, out.stderr
+
+
 def test_group_key_reads_are_paced():
     """hivemind re-reads the group key as soon as the last read returns; ours waits MIN_GROUP_POLL_S."""
     import asyncio

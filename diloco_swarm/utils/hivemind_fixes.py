@@ -21,7 +21,11 @@ Tracebacks at exit. A request from the node to its DHT or averager process carri
 of a pipe (hivemind's ``MPFuture``), fetched from the node when the child reads the request. A
 request still queued while the node exits cannot be read any more: the child's loop logs
 ``ConnectionResetError`` with a full traceback on the user's terminal, though nothing is wrong.
-:class:`_QuietPipeErrors` turns exactly those into one debug line.
+:class:`_QuietPipeErrors` turns exactly those into one debug line. The node's side of the same
+fetch is Python's ``multiprocessing.resource_sharer`` thread, which hands the pipe's descriptor
+over: a child killed mid-fetch (SIGTERM to the process group) made it print a
+``ConnectionResetError`` traceback through ``sys.excepthook``; :func:`_quiet_fd_sharer_errors`
+makes that one debug line too.
 
 Busy matchmaking. While a peer looks for a group and no leader is in sight (a lone peer, or the
 first to arrive), hivemind's ``PotentialLeaders`` re-reads the group key from the DHT as soon as
@@ -63,6 +67,7 @@ import stat
 import sys
 import tempfile
 import time
+import traceback
 
 _live_tasks: set[asyncio.Task] = set()
 # between two DHT reads of the group key by one averager; DILOCO_GROUP_POLL_S=0 restores hivemind's
@@ -173,6 +178,24 @@ class _QuietPartialResults(logging.Filter):
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
             return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
         return True
+
+
+def _quiet_fd_sharer_errors(excepthook):
+    """``sys.excepthook``, but a connection error raised in ``multiprocessing/resource_sharer.py``
+    (a child that died while fetching a pipe's descriptor from this process) is one debug line."""
+
+    @functools.wraps(excepthook)
+    def hook(exc_type, exc, tb):
+        frames = traceback.extract_tb(tb) if tb is not None else []
+        if issubclass(exc_type, (ConnectionError, EOFError)) and any(
+            f.filename.endswith(os.path.join("multiprocessing", "resource_sharer.py")) for f in frames
+        ):
+            logging.getLogger(__name__).debug(f"a child process left while fetching a descriptor: {exc!r}")
+            return
+        excepthook(exc_type, exc, tb)
+
+    hook.__quiet_fd_sharer__ = True
+    return hook
 
 
 def _paced_get_averagers(get_averagers):
@@ -320,6 +343,8 @@ def patch_hivemind() -> None:
         log = logging.getLogger(name)
         if not any(isinstance(f, _QuietPipeErrors) for f in log.filters):
             log.addFilter(_QuietPipeErrors())
+    if not getattr(sys.excepthook, "__quiet_fd_sharer__", False):
+        sys.excepthook = _quiet_fd_sharer_errors(sys.excepthook)
     partition_log = logging.getLogger("hivemind.averaging.partition")
     if not any(isinstance(f, _QuietPartialResults) for f in partition_log.filters):
         partition_log.addFilter(_QuietPartialResults())
