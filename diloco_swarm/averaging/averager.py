@@ -580,7 +580,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         :param give_up: when set while still looking for a group, stop looking (a solo round);
             a group that already formed finishes its all-reduce.
         :param scheduled_time: DHT time at which the all-reduce should begin (hivemind's
-            ``step(scheduled_time=...)``): the leader waits for followers until then.
+            ``step(scheduled_time=...)``): the leader waits for followers until then. A client
+            (it never leads) ignores it and joins any leader that begins within ``timeout``.
         :param online_peers: peers of the run online now, this one included: a group must then
             hold a strict majority of them (``grouping.majority_quorum``); None: any 2 peers.
         :param group_bits: hivemind group bits of this round's planned group (``mixing.group_bits``
@@ -607,7 +608,13 @@ class PseudoGradientAverager(DecentralizedAverager):
         try:
             if not self.is_alive():
                 return self._solo(started, reason="the averager process is gone"), local
-            if scheduled_time is not None:
+            if self.client_mode:
+                # A client never leads: its scheduled time only goes into its join requests, and a leader
+                # that begins later than that refuses it (BAD_EXPIRATION_TIME), each declaration tried
+                # once. A client late for its own plan was refused by every leader until its window
+                # ended; it now takes any leader that begins within its window.
+                scheduled_time = get_dht_time() + 0.9 * timeout
+            elif scheduled_time is not None:
                 scheduled_time = min(scheduled_time, get_dht_time() + 0.9 * timeout)
             gather = {**metadata, "weight": float(weight), "online_peers": online_peers, "group_bits": group_bits,
                       "group_size": group_size}
