@@ -30,6 +30,7 @@ Bytes per peer are analytic: ring all-reduce 2·(k−1)/k·4·P per step for (a)
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import time
 from pathlib import Path
@@ -43,9 +44,10 @@ from bench.common import human_bytes, md_table
 LLAMA_ROW_PRESET = "llama-tiny"
 LLAMA_ROW_VARIANTS = ("data-parallel", "DiLoCo int8")
 VARIANTS = ("data-parallel", "DiLoCo fp32", "DiLoCo int8", "no averaging", "DiLoCo int8 overlap",
-            "DiLoCo int8 overlap, ⅓ late")
+            "DiLoCo int8 overlap, ⅓ late", "DiLoCo int8 overlap, ⅓ late, streamed")
 # the overlapped variants: after which share of the next phase each round is applied
-OVERLAP_APPLY_AFTER = {"DiLoCo int8 overlap": 1.0, "DiLoCo int8 overlap, ⅓ late": 1 / 3}
+OVERLAP_APPLY_AFTER = {"DiLoCo int8 overlap": 1.0, "DiLoCo int8 overlap, ⅓ late": 1 / 3,
+                       "DiLoCo int8 overlap, ⅓ late, streamed": 1 / 3}
 
 SIZES = {
     "smoke": {"preset": "tiny", "k": 4, "batch": 2, "seq_len": 32, "H": 2, "outer_steps": 2, "eval_batch": 4,
@@ -130,7 +132,8 @@ def run_variant(variant: str, cfg: dict[str, Any], threads: int) -> dict[str, An
             train_s += time.perf_counter() - t0
             curve.append([(t + 1) * tokens_per_outer, evaluate(model, eval_set, "cpu")])
     elif variant in OVERLAP_APPLY_AFTER:
-        curve, train_s = _run_overlap(cfg, corpus, eval_set, warmup, OVERLAP_APPLY_AFTER[variant])
+        curve, train_s = _run_overlap(cfg, corpus, eval_set, warmup, OVERLAP_APPLY_AFTER[variant],
+                                      streamed=variant.endswith("streamed"))
     else:
         from diloco_swarm.averaging import codec
 
@@ -206,10 +209,12 @@ def _estimate(rule: str, delta: list, last_mean: list | None, k: int, scale: flo
 
 
 def _run_overlap(cfg, corpus, eval_set, warmup: int, apply_after: float = 1.0,
-                 estimate: str = "own") -> tuple[list, float]:
+                 estimate: str = "own", streamed: bool = False) -> tuple[list, float]:
     """(e), (f): k peers with the node's overlapped outer step, each round applied after
     ``apply_after`` × H inner steps of the next phase (1.0: at its end, the most stale).
     ``estimate`` picks what θ̂ steps on (:func:`_estimate`; bench/eager.py compares them).
+    ``streamed``: the average's tensors reach θ_local as they arrive (``OuterSync.correct``, the
+    node's preview), tensor j of n after ⌈(j+1)/n × that many⌉ steps: evenly over the round.
 
     Every peer has its own ``OuterOptimizer`` (all hold the same θ_global, as the members of a
     verified round do) wrapped in an ``OuterSync``: the hand-off is ``preview`` + θ_local ← θ̂, the
@@ -245,8 +250,19 @@ def _run_overlap(cfg, corpus, eval_set, warmup: int, apply_after: float = 1.0,
             t0 = time.perf_counter()
             batches = [list(smp.batches_for_outer_step(t, H)) if t < N else [] for smp in samplers]
             split = round(apply_after * H) if pending is not None else H
-            for i, rep in enumerate(replicas):  # the part of the phase before the previous round ends
-                steps[i] = _train_steps(rep, opts[i], batches[i][:split], steps[i], warmup)
+            arrivals = [split]  # inner steps of the phase after which each tensor of the average arrived
+            if pending is not None and streamed:
+                n = len(pending[1])
+                arrivals = [max(1, math.ceil((j + 1) / n * split)) for j in range(n)]
+            done = 0
+            for j, mark in enumerate(arrivals):  # the part of the phase before the previous round ends
+                for i, rep in enumerate(replicas):
+                    steps[i] = _train_steps(rep, opts[i], batches[i][done:mark], steps[i], warmup)
+                done = mark
+                if pending is not None and streamed:
+                    _, mean, estimates, own = pending
+                    for s, est, d in zip(syncs, estimates, own):
+                        s.correct(j, mean[j], est, d[j])
             applied = None
             if pending is not None:  # the previous round ends
                 applied, mean, estimates, own = pending
@@ -326,6 +342,7 @@ def _bytes_per_peer(cfg, P: int) -> dict[str, float]:
         "no averaging": 0.0,
         "DiLoCo int8 overlap": f * P * (codec.wire_bytes(P) / P) * N,
         "DiLoCo int8 overlap, ⅓ late": f * P * (codec.wire_bytes(P) / P) * N,
+        "DiLoCo int8 overlap, ⅓ late, streamed": f * P * (codec.wire_bytes(P) / P) * N,
     }
 
 
@@ -347,8 +364,8 @@ def run(size: str) -> dict[str, Any]:
         ctx = mp.get_context("spawn")  # fresh interpreters: no OpenMP state inherited through fork
         with ctx.Pool(workers) as pool:
             # the dear ones first, so the two workers end about together
-            order = ["DiLoCo int8", "DiLoCo int8 overlap", "DiLoCo int8 overlap, ⅓ late", "DiLoCo fp32",
-                     "no averaging", "data-parallel"]
+            order = ["DiLoCo int8", "DiLoCo int8 overlap", "DiLoCo int8 overlap, ⅓ late",
+                     "DiLoCo int8 overlap, ⅓ late, streamed", "DiLoCo fp32", "no averaging", "data-parallel"]
             results = pool.starmap(run_variant, [(v, cfg, threads) for v in order], chunksize=1)
         results.sort(key=lambda r: VARIANTS.index(r["variant"]))
     wall = time.perf_counter() - t0
@@ -397,7 +414,7 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         md_table(["variant", "loss at start", "final held-out loss", "best", "bytes sent per peer (whole run)",
                   "train s (wall)", "CPU s"], rows),
     ]
-    dp, f32, i8, solo, i8o, i8o3 = (by.get(v) for v in VARIANTS)
+    dp, f32, i8, solo, i8o, i8o3, i8s = (by.get(v) for v in VARIANTS)
     if dp and f32 and i8 and solo:
         md.append(
             f"\nFinal loss differences (same run): int8 − fp32 DiLoCo = **{i8['final_loss'] - f32['final_loss']:+.4f}**; "
@@ -426,6 +443,9 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
             + (f"; applied after a third of the next phase (a round a third of a phase long): "
                f"{i8o3['final_loss']:.4f}, **{i8o3['final_loss'] - i8['final_loss']:+.4f} "
                f"({100 * (i8o3['final_loss'] - i8['final_loss']) / i8['final_loss']:+.2f}%)**" if i8o3 else "")
+            + (f"; the same with the average reaching θ_local tensor by tensor as it arrives (the node's preview, "
+               f"evenly over the round): {i8s['final_loss']:.4f}, **{i8s['final_loss'] - i8['final_loss']:+.4f} "
+               f"({100 * (i8s['final_loss'] - i8['final_loss']) / i8['final_loss']:+.2f}%)**" if i8s else "")
             + ".\n")
     cal = result["calibration_ms_per_step"]
     md.append(f"\nThreads: one inner step (batch {cfg['batch']}) took {cal['1']:.0f} ms with "

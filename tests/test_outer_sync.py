@@ -155,6 +155,81 @@ def test_a_group_average_is_applied_one_round_late_keeping_local_progress():
         torch.testing.assert_close(d, -prog, rtol=0, atol=1e-6)
 
 
+def _previewed_round(event, preview_values, hold: bool = False):
+    """Hand off, train, preview ``preview_values`` (tensor index -> Δ̄ part) mid-phase, train more, then
+    apply (or hold) the round. :returns: (θ_global, θ_local, the phase's progress, previews taken)."""
+    params, outer, fake, sync = setup([event])
+    inner_phase(params)
+    h = handoff(outer, params)
+    sync.hand_off(h)
+    estimate = clone(params)
+    inner_phase(params, seed=2)
+    moved = [sync.preview_part(i, v) for i, v in preview_values.items()]
+    inner_phase(params, seed=3)
+    _, outcome, est = sync.take(timeout=5)
+    progress = [p - e for p, e in zip(params, est)]  # since the hand-off, previews excluded
+    if hold:
+        sync.hold(h.delta, est)
+    else:
+        sync.apply(outcome.average, est)
+    return clone(outer.theta), clone(params), progress, moved, h, estimate
+
+
+def test_a_previewed_average_moves_theta_local_and_the_verified_apply_stays_exact():
+    """Parts of the round's average reach θ_local as they arrive (OuterSync.correct); θ_global moves only
+    at the verified apply, and θ_local ends where it would without the previews: θ_global + progress."""
+    params, outer, _, _ = setup([])
+    inner_phase(params)
+    average = [d * 0.5 + 0.01 for d in handoff(outer, params).delta]
+    plain = _previewed_round(("ok", average), {})
+    previewed = _previewed_round(("ok", average), {0: average[0], 2: average[2]})
+    assert previewed[3] == [True, True]
+    for a, b in zip(plain[0], previewed[0]):  # θ_global: the same verified step
+        assert torch.equal(a, b)
+    for theta, local, prog in zip(previewed[0], previewed[1], previewed[2]):
+        torch.testing.assert_close(local - theta, prog, rtol=0, atol=1e-6)
+    # the preview itself: right after it, θ_local[0] stood on OuterStep(θ_global, Δ̄)[0] + progress
+    params, outer, fake, sync = setup(["hang"])
+    inner_phase(params)
+    h = handoff(outer, params)
+    sync.hand_off(h)
+    inner_phase(params, seed=2)
+    before = clone(params)
+    eager = outer.preview(h.delta)
+    assert sync.preview_part(0, average[0])
+    target = outer.preview_tensor(0, average[0])
+    torch.testing.assert_close(params[0] - before[0], target - eager[0], rtol=0, atol=1e-6)
+    assert torch.equal(params[1], before[1])  # tensors that did not arrive stay
+    sync.abandon(timeout=5)
+
+
+def test_a_previewed_round_that_fails_is_undone_exactly():
+    """A late round after previews: θ_global stays, the next Δ is the held Δ plus the progress."""
+    params, outer, _, _ = setup([])
+    inner_phase(params)
+    average = [d * 0.5 + 0.01 for d in handoff(outer, params).delta]
+    theta, local, progress, moved, h, _ = _previewed_round("fail", {1: average[1], 3: average[3]}, hold=True)
+    assert moved == [True, True]
+    for t, l, held, prog in zip(theta, local, h.delta, progress):
+        torch.testing.assert_close(t - l, held - prog, rtol=0, atol=1e-6)
+
+
+def test_a_preview_refuses_non_finite_or_huge_values_and_waits_in_blocking_mode():
+    params, outer, _, _ = setup([])
+    inner_phase(params)
+    average = [d * 0.5 for d in handoff(outer, params).delta]
+    bad = {0: torch.full_like(average[0], float("nan")), 1: average[1] * 1e6}
+    _, _, _, moved, _, _ = _previewed_round(("ok", average), bad)
+    assert moved == [False, False]
+    params, outer, fake, sync = setup(["hang"], overlap=False)
+    inner_phase(params)
+    sync.hand_off(handoff(outer, params))
+    before = clone(params)
+    assert not sync.preview_part(0, average[0])  # blocking: θ_local waits for the round
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    sync.abandon(timeout=5)
+
+
 def test_overlap_with_solo_rounds_follows_blocking_exactly():
     """With no group (own Δ every round), overlapped and blocking DiLoCo train the same θ_global."""
     trajectories = {}

@@ -189,6 +189,9 @@ class PseudoGradientAverager(DecentralizedAverager):
         self._outcomes = OutcomeBoard()  # our outcomes of recent rounds, asked by their members (confirm.py)
         self._recent_groups: dict[bytes, Any] = {}  # group id -> hivemind GroupInfo, newest last (θ-mixing)
         self._default_target_group_size = target_group_size
+        # [round token, tensors of this round's average written so far]: the token is the node's (one
+        # per use of the buffers), the count the averager process's, as the all-gather delivers them
+        self._arrivals = torch.zeros(2, dtype=torch.int64).share_memory_()
         # hivemind's run_in_background() sets SIGINT to SIG_IGN in *our* process (meaning the
         # child); keep the child's SIG_IGN but give the caller its Ctrl+C handler back.
         previous_sigint = signal.getsignal(signal.SIGINT)
@@ -242,12 +245,14 @@ class PseudoGradientAverager(DecentralizedAverager):
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
         stats = self._round_stats[group_id.hex()] = RoundStats()
-        await self._run_consensus(self.allreduce_runner_type, tensors, group_info, group_id, stats, **kwargs)
+        await self._run_consensus(self.allreduce_runner_type, tensors, group_info, group_id, stats, count=True,
+                                  **kwargs)
 
     async def _run_consensus(self, runner_type: type[ConsensusAllReduceRunner], tensors, group_info, group_id: bytes,
-                             stats: RoundStats, **kwargs) -> None:
+                             stats: RoundStats, count: bool = False, **kwargs) -> None:
         """One consensus all-reduce of ``tensors`` in place (absolute averages) with ``group_info``'s
-        members, under ``group_id`` (already registered in ``_running_groups``)."""
+        members, under ``group_id`` (already registered in ``_running_groups``); with ``count``, each
+        tensor written is counted in the shared arrivals (:meth:`arrived`)."""
         runner = runner_type(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -267,9 +272,13 @@ class PseudoGradientAverager(DecentralizedAverager):
                 raise ValueError("aux peers should not receive averaged tensors")
             return
         i = 0
+        if count:
+            self._arrivals[1] = 0
         async for averaged in runner:
             tensors[i].copy_(averaged.reshape(tensors[i].shape))  # absolute values, not deltas
             i += 1
+            if count:
+                self._arrivals[1] = i  # after the copy: the node reads tensor i - 1 once it sees i
         self.last_updated = get_dht_time()
         self._state_updated.set()
         stats.failed_values = runner.tensor_part_container.failed_size
@@ -677,6 +686,27 @@ class PseudoGradientAverager(DecentralizedAverager):
             return result, local
         result.ok = True
         return result, averaged
+
+    def begin_arrivals(self) -> int:
+        """Call before :meth:`average` when its arrivals will be read (:meth:`arrived`): a new round
+        token, no tensor arrived yet. :returns: the token."""
+        token = int(self._arrivals[0]) + 1
+        self._arrivals[0] = token
+        self._arrivals[1] = 0
+        return token
+
+    def arrived(self) -> tuple[int, int]:
+        """``(token, n)``: the first ``n`` tensors of the round in flight hold the group's average
+        (``average``'s all-gather has delivered them; not yet verified); ``token`` names the round."""
+        token, n = self._arrivals.tolist()
+        return int(token), int(n)
+
+    def peek(self, index: int, token: int) -> torch.Tensor | None:
+        """A copy of arrived tensor ``index`` (fp32, its parameter's shape) of round ``token``, read
+        without the buffers' lock (the averager process holds it for the whole all-reduce; an arrived
+        tensor is not written again in that round). None when the buffers moved on to another use."""
+        value = self._averaged_tensors[index].clone()
+        return value if int(self._arrivals[0]) == token else None
 
     def _drop_members(self, target: int) -> None:
         """Lower the forming group's target size to ``target`` (≥ 2; members found gone); as its

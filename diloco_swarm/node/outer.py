@@ -80,19 +80,38 @@ class OuterOptimizer:
         :raises ValueError: ``delta`` has another count or shapes than θ_global.
         """
         self._check_like_theta(delta, "the outer gradient")
-        group = self.optimizer.param_groups[0]
-        lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
         thetas, buffers = [], []
-        for theta, d in zip(self.theta, delta):
-            grad = d.to(torch.float32)
-            buf = torch.zeros_like(theta)
-            if momentum != 0:
-                buf = self.optimizer.state.get(theta, {}).get("momentum_buffer")
-                buf = grad.clone() if buf is None else buf.mul(momentum).add_(grad)
-                grad = grad.add(buf, alpha=momentum) if nesterov else buf
-            thetas.append(theta.add(grad, alpha=-lr))
+        for index, d in enumerate(delta):
+            theta, buf = self._preview_one(index, d)
+            thetas.append(theta)
             buffers.append(buf)
         return thetas, buffers
+
+    @torch.no_grad()
+    def preview_tensor(self, index: int, delta: torch.Tensor) -> torch.Tensor:
+        """θ_global's tensor ``index`` after :meth:`step`, from that tensor's outer gradient alone
+        (the step is elementwise): :meth:`preview`'s arithmetic for one tensor, nothing changed.
+
+        :param delta: fp32, the shape of θ_global's tensor ``index``.
+        :returns: a new fp32 CPU tensor.
+        :raises ValueError: ``index`` is out of range or ``delta`` has another shape.
+        """
+        if not 0 <= index < len(self.theta) or not isinstance(delta, torch.Tensor) \
+                or delta.shape != self.theta[index].shape:
+            raise ValueError(f"the outer gradient of tensor {index} does not fit θ_global")
+        return self._preview_one(index, delta)[0]
+
+    def _preview_one(self, index: int, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        group = self.optimizer.param_groups[0]
+        lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
+        theta = self.theta[index]
+        grad = delta.to(torch.float32)
+        buf = torch.zeros_like(theta)
+        if momentum != 0:
+            buf = self.optimizer.state.get(theta, {}).get("momentum_buffer")
+            buf = grad.clone() if buf is None else buf.mul(momentum).add_(grad)
+            grad = grad.add(buf, alpha=momentum) if nesterov else buf
+        return theta.add(grad, alpha=-lr), buf
 
     @torch.no_grad()
     def copy_to(self, params: Iterable[nn.Parameter]) -> None:

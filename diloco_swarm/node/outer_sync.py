@@ -43,6 +43,7 @@ from diloco_swarm.node.outer import OuterOptimizer
 from diloco_swarm.utils.worker import Worker
 
 SYNC_MODES = ("overlap", "blocking")
+PREVIEW_MAX_NORM_RATIO = 10.0  # an arriving average beyond this multiple of our own Δ's norm waits for the round's checks
 
 
 @dataclass
@@ -171,6 +172,45 @@ class OuterSync:
         control = RoundControl(stop=self._stop)
         future = self._worker.submit(self.run_round, handoff, control)
         self._pending = _Pending(handoff, control, future, estimate)
+
+    def preview_part(self, index: int, average: torch.Tensor) -> bool:
+        """Move θ_local's tensor ``index`` onto the round's average for it as soon as it has arrived,
+        before the round is verified (overlap only; see :meth:`correct`).
+
+        :param average: the group's Δ̄ for tensor ``index``, fp32, that tensor's shape.
+        :returns: whether θ_local moved (False: blocking mode, no round in flight, or a value refused).
+        """
+        pending = self._pending
+        if pending is None or pending.estimate is None:
+            return False
+        return self.correct(index, average, pending.estimate, pending.handoff.delta[index])
+
+    @torch.no_grad()
+    def correct(self, index: int, average: torch.Tensor, estimate: list[torch.Tensor],
+                delta: torch.Tensor | None = None) -> bool:
+        """θ_local[index] += OuterStep(θ_global, average)[index] − θ̂[index], then θ̂[index] ← that step.
+
+        The round's average reaches θ_local part by part as the all-gather delivers it, instead of
+        a whole phase late (the staleness of eager updates, arXiv 2502.12996, shrinks with the time
+        the own-Δ estimate stands in). θ̂ moves by the same amount, so θ_local − θ̂ stays the progress
+        since the hand-off: :meth:`apply`, :meth:`hold` and :meth:`adopt` land exactly where they
+        would without the preview, and θ_global still moves only by verified averages. A value that
+        is not finite, or whose norm exceeds :data:`PREVIEW_MAX_NORM_RATIO` × our own Δ's (``delta``),
+        is refused: the round's own checks decide about it.
+
+        :param estimate: θ̂, the eager start of the current phase (fp32 CPU), patched in place.
+        :returns: whether θ_local moved.
+        """
+        average = average.to(torch.float32)
+        if not bool(torch.isfinite(average).all()):
+            return False
+        if delta is not None and float(average.norm()) > PREVIEW_MAX_NORM_RATIO * float(delta.norm()) + 1e-12:
+            return False
+        step = self.outer.preview_tensor(index, average)
+        p = self.params[index]
+        p.add_((step - estimate[index]).to(device=p.device, dtype=p.dtype))
+        estimate[index] = step
+        return True
 
     def overdue(self, seconds: float) -> bool:
         """Whether the round in flight was handed off more than ``seconds`` ago."""

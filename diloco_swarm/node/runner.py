@@ -165,6 +165,7 @@ class Node(Startup, StateSync, Mixing):
         self._last_eval_s = 0.0  # seconds the last held-out evaluation took (prices the next one)
         self._carried: Carried | None = None  # late rounds whose Δ θ_local still holds (outer_sync.hold)
         self._last_phase_index = -1  # data and LR warm-up index of the last phase (a late round repeats no data)
+        self._arrivals = (0, 0, 0)  # (round token, tensors read, tensors previewed) of the round in flight
 
     def run(self) -> None:
         """Set up, train until ``max_outer_steps`` or a stop signal, then leave cleanly.
@@ -332,6 +333,8 @@ class Node(Startup, StateSync, Mixing):
             steps, tokens, tokens_window = steps + 1, tokens + x.numel(), tokens_window + x.numel()
             losses.append(loss)
             self.stats.inner_s += time.monotonic() - t0
+            if self.sync.in_flight and not self.sync.done():
+                self._preview_arrived()
             if self.sync.done():
                 syncs = self.stats.state_syncs
                 self._apply_round(during_inner_step=steps)
@@ -432,7 +435,24 @@ class Node(Startup, StateSync, Mixing):
         self.metrics.write({"event": "averaging_start", "peer_id": self.peer_id, "outer_step": handoff.outer_step,
                             "inner_steps": handoff.inner_steps})
         self._status()
+        self._arrivals = (self.averager.begin_arrivals(), 0, 0) if self.sync.overlap else (0, 0, 0)
         self.sync.hand_off(handoff)
+
+    def _preview_arrived(self) -> None:
+        """Overlap: θ_local takes each tensor of the round's average as soon as the all-gather has
+        delivered it, before the round is verified (``OuterSync.correct``: the verified apply, a late
+        round's hold and an adopted state stay exact)."""
+        token, done, moved = self._arrivals
+        if not token:
+            return
+        current, n = self.averager.arrived()
+        while current == token and done < n:
+            value = self.averager.peek(done, token)
+            if value is None:  # the buffers moved on to another round
+                break
+            moved += self.sync.preview_part(done, value)
+            done += 1
+        self._arrivals = (token, done, moved)
 
     def _run_round(self, handoff: Handoff, control: RoundControl) -> RoundOutcome:
         """One averaging round (on the averaging thread): average Δ, then check that the members
@@ -697,6 +717,7 @@ class Node(Startup, StateSync, Mixing):
             "bytes_received": result.bytes_received + (mixing.bytes_received if mixing else 0),
             "averaging_s": round(result.seconds + (mixing.seconds if mixing else 0.0), 4),
             "round_wall_s": round(time.monotonic() - handoff.started, 4),
+            "previewed_tensors": self._arrivals[2],
             "compression": self.spec.compression,
             "round_ok": result.ok,
             "reason": result.reason,
