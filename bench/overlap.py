@@ -195,7 +195,10 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         "`--max-outer-steps` the last round has no phase to hide behind). *Lone-peer ratio* = the alone node's "
         "tokens per wall second ÷ its tokens per inner-step second (= inner-step share of wall time: what evaluation, "
         "checkpoints, records and the skipped rounds cost a lone node against pure training at its own step speed). "
-        "*Waited* = seconds the training thread waited for rounds in the window (`averaging_total_s`).\n",
+        "*Waited* = seconds the training thread waited for rounds in the window (`averaging_total_s`). "
+        "*Tensors previewed*: per round, how many of the model's tensors of the average reached θ_local as they "
+        "arrived, before the round was verified, and how many seconds before its apply the first did "
+        "(`previewed_tensors`, `preview_lead_s`).\n",
     ]
     rows = []
     for mode in MODES:
@@ -206,10 +209,14 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
                          _f(p.get("waited_s"), ".1f"), _f(p.get("eval_s"), ".1f"),
                          " ".join(str(x) for x in p["inner_steps"]),
                          " ".join(_f(x, ".1f") for x in p["round_wall_s"]),
+                         " ".join(f"{n}" + (f" ({lead:.1f})" if lead is not None else "")
+                                  for n, lead in zip(p.get("previewed_tensors", []), p.get("preview_lead_s", []))
+                                  if n is not None) or "–",
                          f"{p['rounds_ok']}/{p['outer_steps']}", p["exit_code"], m[mode]["loadavg_start"]])
     md.append(md_table(["mode", "peer", "tokens/s", "inner share of wall", "rounds in window", "window s",
                         "inner s per round",
-                        "waited s", "eval s", "inner steps per round", "round wall s", "verified rounds",
+                        "waited s", "eval s", "inner steps per round", "round wall s",
+                        "tensors previewed (s before the apply)", "verified rounds",
                         "exit", "load avg at start"], rows))
     rows = []
     for r in result["summary"]["peers"]:

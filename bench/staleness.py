@@ -96,7 +96,7 @@ def section(result: dict, source: Path) -> str:
             + f"\nMean over {len(by_seed)} seeds: {means} (issue 12's target: within 1%).\n\n"
             + "".join(f"*Note:* {', '.join(a['variants'])} trained by a second invocation ({a['date_utc']}, commit "
                       f"{a['commit']}, {a['elapsed_s']:.0f} s, this run's config and seeds, `bench.staleness._train`); "
-                      "the training is deterministic (it reproduced this run's ⅓-late curve of seed 0 to every digit), "
+                      "the training is deterministic (a rerun of this run's ⅓-late seed 0 reproduced its first 10 outer steps to every digit), "
                       "so its figures are those one invocation would give.\n\n" for a in result.get("added", []))
             + provenance_md(result, source) + "<!-- /bench:staleness -->\n")
 

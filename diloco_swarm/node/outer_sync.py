@@ -86,6 +86,21 @@ class Carried:
 
 
 @dataclass
+class Preview:
+    """How much of the round in flight's average reached θ_local before the round was applied
+    (:meth:`OuterSync.preview_part`); reported in the round's metrics record."""
+
+    token: int = 0  # the averager's round token (0: nothing to preview, e.g. blocking mode)
+    read: int = 0  # tensors read so far, in order
+    moved: int = 0  # of them, those θ_local took (the others were refused)
+    first_at: float | None = None  # time.monotonic() of the first tensor taken
+
+    def lead_s(self) -> float | None:
+        """Seconds from the first tensor taken until now (the apply), or None when none was."""
+        return None if self.first_at is None else time.monotonic() - self.first_at
+
+
+@dataclass
 class RoundControl:
     """Signals from the training thread to the round in flight.
 

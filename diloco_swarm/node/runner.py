@@ -33,7 +33,7 @@ from diloco_swarm.node.checkpoint import save_checkpoint
 from diloco_swarm.node.config import NodeConfig
 from diloco_swarm.node.errors import Diverged, NodeError  # noqa: F401  (re-exported: cli maps NodeError to exit 2)
 from diloco_swarm.node.mixing import Mixing, ThetaHistory
-from diloco_swarm.node.outer_sync import Carried, Handoff, OuterSync, RoundControl, RoundOutcome
+from diloco_swarm.node.outer_sync import Carried, Handoff, OuterSync, Preview, RoundControl, RoundOutcome
 from diloco_swarm.node.report import MetricsWriter, StatusLine
 from diloco_swarm.averaging.allreduce import finite_norm
 from diloco_swarm.averaging.mixing import group_bits, history_length
@@ -165,7 +165,7 @@ class Node(Startup, StateSync, Mixing):
         self._last_eval_s = 0.0  # seconds the last held-out evaluation took (prices the next one)
         self._carried: Carried | None = None  # late rounds whose Δ θ_local still holds (outer_sync.hold)
         self._last_phase_index = -1  # data and LR warm-up index of the last phase (a late round repeats no data)
-        self._arrivals = (0, 0, 0)  # (round token, tensors read, tensors previewed) of the round in flight
+        self._preview = Preview()  # of the round in flight: its average taken into θ_local as it arrives
 
     def run(self) -> None:
         """Set up, train until ``max_outer_steps`` or a stop signal, then leave cleanly.
@@ -435,24 +435,25 @@ class Node(Startup, StateSync, Mixing):
         self.metrics.write({"event": "averaging_start", "peer_id": self.peer_id, "outer_step": handoff.outer_step,
                             "inner_steps": handoff.inner_steps})
         self._status()
-        self._arrivals = (self.averager.begin_arrivals(), 0, 0) if self.sync.overlap else (0, 0, 0)
+        self._preview = Preview(token=self.averager.begin_arrivals() if self.sync.overlap else 0)
         self.sync.hand_off(handoff)
 
     def _preview_arrived(self) -> None:
         """Overlap: θ_local takes each tensor of the round's average as soon as the all-gather has
         delivered it, before the round is verified (``OuterSync.correct``: the verified apply, a late
         round's hold and an adopted state stay exact)."""
-        token, done, moved = self._arrivals
-        if not token:
+        preview = self._preview
+        if not preview.token:
             return
         current, n = self.averager.arrived()
-        while current == token and done < n:
-            value = self.averager.peek(done, token)
+        while current == preview.token and preview.read < n:
+            value = self.averager.peek(preview.read, preview.token)
             if value is None:  # the buffers moved on to another round
                 break
-            moved += self.sync.preview_part(done, value)
-            done += 1
-        self._arrivals = (token, done, moved)
+            if self.sync.preview_part(preview.read, value):
+                preview.moved += 1
+                preview.first_at = preview.first_at or time.monotonic()
+            preview.read += 1
 
     def _run_round(self, handoff: Handoff, control: RoundControl) -> RoundOutcome:
         """One averaging round (on the averaging thread): average Δ, then check that the members
@@ -717,7 +718,8 @@ class Node(Startup, StateSync, Mixing):
             "bytes_received": result.bytes_received + (mixing.bytes_received if mixing else 0),
             "averaging_s": round(result.seconds + (mixing.seconds if mixing else 0.0), 4),
             "round_wall_s": round(time.monotonic() - handoff.started, 4),
-            "previewed_tensors": self._arrivals[2],
+            "previewed_tensors": self._preview.moved,
+            "preview_lead_s": None if (lead := self._preview.lead_s()) is None else round(lead, 3),
             "compression": self.spec.compression,
             "round_ok": result.ok,
             "reason": result.reason,
