@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from diloco_swarm.models import build_model
 from swarmlib import Swarm, kill_tree, theta_by_step
 
 pytestmark = [pytest.mark.swarm]
@@ -53,6 +54,12 @@ def test_two_nodes_overlap_rounds_agree_and_survive_a_crash_mid_round(tmp_path):
         for node in (a, b):
             during = [r for r in node.outer_steps() if r["round_ok"] and (r["applied_at_inner_step"] or 0) >= 1]
             assert during, (node.name, node.outer_steps())
+        # The average reaches θ_local tensor by tensor while the round is verified (the preview); θ_global,
+        # below, still moves only by the verified average.
+        tensors = len(list(build_model("tiny", seed=0).parameters()))
+        previewed = [r["previewed_tensors"] for node in (a, b) for r in node.outer_steps()]
+        assert all(0 <= n <= tensors for n in previewed), previewed
+        assert tensors in previewed, previewed
         # Members of a verified round hold bit-identical θ_global after it.
         held_a, held_b = theta_by_step(a), theta_by_step(b)
         both = [r["outer_step"] for r in a.outer_steps() if r["round_ok"] and r["group_size"] == 2
