@@ -251,12 +251,18 @@ BAD_INPUT = {
     "tokenizer too big": "the tokenizer has 800 tokens",
     "hub dataset offline": "offline",
     "hub model offline": "offline",
+    "masked LM config": "is BertForMaskedLM, not a causal language model",
 }
 
 
 @pytest.fixture(scope="module")
 def bad_input_runs(assets):
+    from transformers import BertConfig
+
     tok = ["--tokenizer", str(assets.tokenizer)]
+    bert = assets.root / "bert-config"  # an encoder: it would build, then train masked-token prediction
+    BertConfig(vocab_size=1024, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+               architectures=["BertForMaskedLM"]).save_pretrained(bert)
     args = {
         "missing column": ["--model", "llama-tiny", *tok, "--dataset", f"hf:{assets.parquet}#body"],
         "empty split": ["--model", "llama-tiny", *tok, "--dataset", f"hf:{assets.with_empty_split}@validation"],
@@ -264,6 +270,7 @@ def bad_input_runs(assets):
                               "--dataset", f"hf:{assets.parquet}"],
         "hub dataset offline": ["--model", "llama-tiny", *tok, "--dataset", "hf:allenai/c4:en@train#text"],
         "hub model offline": ["--model", "hf:PrimeIntellect/llama-150m-fresh", *tok],
+        "masked LM config": ["--model", f"hf:{bert}", *tok, "--dataset", f"hf:{assets.parquet}"],
     }
     common = ["join", "--host", "127.0.0.1", "--port", "0", "--threads", "1", "--compression", "fp32",
               "--seq-len", "32"]

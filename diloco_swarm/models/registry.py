@@ -111,7 +111,27 @@ def resolve_model(arg: str) -> ModelSource:
         from diloco_swarm.data.tokenizer import _first_line
 
         raise ModelError(f"--model {arg!r}: config.json cannot be read: {_first_line(e)}") from None
+    _require_causal_lm(arg, config)
     return ModelSource(arg, "hf", folder, config)
+
+
+CAUSAL_ARCHITECTURE_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # transformers' names of next-token heads
+
+
+def _require_causal_lm(arg: str, config: Any) -> None:
+    """DiLoCo's inner steps train next-token prediction: an encoder (BERT's masked LM) or an
+    encoder-decoder config would build and then train something else.
+    :raises ModelError: the config says so (``is_encoder_decoder``, or ``architectures`` with no
+        causal LM head); a config without ``architectures`` is taken at its word."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelError(f"--model {arg!r} is an encoder-decoder model ({config.model_type}), not a causal language "
+                         f"model; DiLoCo here trains next-token prediction: use a decoder-only config "
+                         f"(its architectures end in {' or '.join(CAUSAL_ARCHITECTURE_SUFFIXES)})")
+    names = [a for a in (getattr(config, "architectures", None) or []) if isinstance(a, str)]
+    if names and not any(a.endswith(CAUSAL_ARCHITECTURE_SUFFIXES) for a in names):
+        raise ModelError(f"--model {arg!r} is {', '.join(names)}, not a causal language model; DiLoCo here trains "
+                         f"next-token prediction: use a decoder-only config (its architectures end in "
+                         f"{' or '.join(CAUSAL_ARCHITECTURE_SUFFIXES)})")
 
 
 def model_vocab_size(source: ModelSource, tokenizer_vocab: int, tokenizer_is_byte: bool) -> int:
