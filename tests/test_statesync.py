@@ -15,9 +15,9 @@ def d(label: str) -> str:
     return hashlib.sha256(label.encode()).hexdigest()[:16]
 
 
-def record(peer: str, step: int, marks: list[tuple[int, str]]):
+def record(peer: str, step: int, marks: list[tuple[int, str]], reachability: str = "public"):
     """A verified record entry as ``read_peer_entries`` returns it (owner key = the peer's name)."""
-    rec = SimpleNamespace(peer_id=peer, outer_step=step,
+    rec = SimpleNamespace(peer_id=peer, outer_step=step, reachability=reachability,
                           theta_marks=[SimpleNamespace(step=s, digest=g) for s, g in marks])
     return SimpleNamespace(owner=f"key-{peer}", record=rec)
 
@@ -78,3 +78,13 @@ def test_one_peer_ahead_is_not_backed_while_a_newcomer_is_online():
     # catches up at its first round with A instead (a lagging download).
     entries = [record("A", 5, [(5, d("a5"))]), record("C", 0, [])]
     assert gather_evidence(entries, "B", 0, []).supported_step == 0
+
+
+def test_a_client_is_never_asked_for_a_state_download():
+    # A lagging peer picks donors from the records: a client (it serves no state) holding the newest
+    # step was asked first and failed ("could not connect to it"), a newcomer's finding.
+    entries = [record("A", 6, [(6, d("x6"))]), record("C", 6, [(6, d("x6"))], reachability="client"),
+               record("B", 6, [(6, d("x6"))])]
+    evidence = gather_evidence(entries, "L", 2, [])
+    assert evidence.supported_step == 6
+    assert set(evidence.donors_at(6)) == {"A", "B"}

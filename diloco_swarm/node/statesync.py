@@ -43,6 +43,7 @@ class Evidence:
     supported_step: int = 0
     vouched: dict[tuple[int, str], set[str]] = field(default_factory=dict)
     holders_by_step: dict[int, set[str]] = field(default_factory=dict)  # peer ids whose record is at a step
+    clients: set[str] = field(default_factory=set)  # peer ids whose records say client: they donate no state
 
     def accepts(self, step: int, digest: str) -> str | None:
         """Why a state (outer step, θ digest) may not be adopted, or None.
@@ -58,9 +59,11 @@ class Evidence:
         return None
 
     def donors_at(self, min_step: int) -> list[str]:
-        """Peers to download a state of ``min_step`` or later from: those vouched for first."""
-        vouched = sorted({p for (s, _), peers in self.vouched.items() if s >= min_step for p in peers})
-        rest = sorted({p for s, peers in self.holders_by_step.items() if s >= min_step for p in peers} - set(vouched))
+        """Peers to download a state of ``min_step`` or later from: those vouched for first; never a
+        client (it serves no state: asking it only costs a failed dial)."""
+        vouched = sorted({p for (s, _), peers in self.vouched.items() if s >= min_step for p in peers} - self.clients)
+        rest = sorted({p for s, peers in self.holders_by_step.items() if s >= min_step for p in peers}
+                      - set(vouched) - self.clients)
         random.shuffle(rest)
         return vouched + rest
 
@@ -101,6 +104,8 @@ def gather_evidence(entries, me: str, my_step: int = 0, my_marks=()) -> Evidence
         if record is None or record.peer_id == me:
             continue
         steps[entry.owner] = max(steps.get(entry.owner, 0), record.outer_step)
+        if record.reachability == "client":
+            evidence.clients.add(record.peer_id)
         evidence.holders_by_step.setdefault(record.outer_step, set()).add(record.peer_id)
         for step, digest in marks_of([(m.step, m.digest) for m in record.theta_marks]).items():
             claims.setdefault((step, digest), {})[entry.owner] = record.peer_id
@@ -211,10 +216,10 @@ class StateSync:
             for peer, entry in entries.items():
                 if peer != self.peer_id and entry[0] > newest + 1:  # one step ahead: records still on their way
                     self._warn_unsupported(peer, entry[0])
-            canonical = canonical_state(entries, self.peer_id, evidence, self.averager.donors(),
-                                        can_donate=not self.client_mode)
+            donors = self.averager.donors()  # peers that serve state: a client holder is never asked
+            canonical = canonical_state(entries, self.peer_id, evidence, donors, can_donate=not self.client_mode)
             if mine != canonical:
-                holders = [p for p, e in entries.items() if e == canonical]
+                holders = [p for p, e in entries.items() if e == canonical and p in donors]
                 # behind the canonical outer step: a late peer, not a lineage of its own
                 reason = "lagging" if canonical[0] > mine[0] else "diverged"
                 state = self._download_state(min_step=canonical[0] + int(applied), reason=reason,
