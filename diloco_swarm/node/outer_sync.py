@@ -124,6 +124,8 @@ class RoundOutcome:
     outer step is then right; otherwise an unverified round is late, see :meth:`OuterSync.hold`.
     ``group_key``: the planned group's key when the swarm averages in groups smaller than itself
     (``grouping.plan_round``; θ-mixing then merges their lineages), "" when it averages as one.
+    ``stale``: our Δ was computed on a θ_global two or more outer steps behind the swarm's, so it
+    was not averaged and is dropped; ``state`` is the swarm's, to adopt.
     """
 
     result: Any  # averaging.averager.RoundResult
@@ -133,6 +135,7 @@ class RoundOutcome:
     group_key: str = ""
     mixed: Any = None  # node.mixing.MixedState
     mixing: Any = None  # averaging.averager.RoundResult of the mixing all-reduce
+    stale: bool = False
 
 
 @dataclass

@@ -460,6 +460,20 @@ class Node(Startup, StateSync, Mixing):
         started from one θ_global; download the canonical state when they did not."""
         from diloco_swarm.averaging.averager import RoundResult
 
+        state = None
+        if handoff.carried is None:  # (a late peer's carried Δ is one round stale by design: it is averaged)
+            try:
+                state = self._catch_up(handoff.outer_step)
+            except Exception as e:  # the DHT did not answer: average as usual
+                self.status.log(f"could not compare our outer step with the swarm's: {e}")
+        if state is not None:
+            # Our Δ stands on a θ_global two or more outer steps behind what the swarm's records back (a
+            # joiner whose first phase outran the swarm's start, a peer back from a long pause): averaged
+            # in, it would pull the others' step with a stale direction, at its full token weight. It is
+            # dropped; we adopt the swarm's state and train on from there.
+            reason = f"behind the swarm (outer step {handoff.outer_step}, the swarm's {state.meta['outer_step']}): caught up"
+            return RoundOutcome(RoundResult(ok=False, group_size=1, reason=reason), [d.clone() for d in handoff.delta],
+                                state=state, stale=True)
         try:
             result, average, alone, group_key = self._average(handoff, control)
         except Exception as e:  # never lose the training thread to a round: it becomes a late round
@@ -652,7 +666,7 @@ class Node(Startup, StateSync, Mixing):
         # be when a member kept the round while we missed a confirmation (maybe_kept): carrying it then
         # could apply it twice, so we apply it alone as before and the next round re-syncs us.
         kept = result.ok and (outcome.state is None or outcome.state.includes_round)
-        carry = (not kept and not result.maybe_kept and not outcome.alone
+        carry = (not kept and not result.maybe_kept and not outcome.alone and not outcome.stale
                  and (handoff.carried.rounds if handoff.carried else 0) < MAX_CARRIED_ROUNDS)
         held = False
         if outcome.mixed is not None:  # the members started from different θ_global and mixed them

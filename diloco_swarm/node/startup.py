@@ -282,8 +282,11 @@ class Startup:
                             "peers but reduces no parts and donates no state")
             return "unknown"
         if cfg.public:
-            self.status.log("--public: reachability not checked; other peers must be able to dial "
-                            + (", ".join(cfg.announce) if cfg.announce else f"port {cfg.port or '(random)'}"))
+            ports = sorted({int(m.split("/tcp/")[1].split("/")[0]) for m in visible_maddrs(self.dht) if "/tcp/" in m})
+            where = (", ".join(cfg.announce) if cfg.announce else f"port {cfg.port}" if cfg.port else
+                     f"port {', '.join(map(str, ports)) or '(random)'}, chosen at random: pass --port to keep one "
+                     "across restarts (a router's forward and other peers' --initial-peers need a fixed one)")
+            self.status.log("--public: reachability not checked; other peers must be able to dial " + where)
             return "unknown"
         if not cfg.initial_peers:
             return "unknown"  # the first peer: whoever joins through it proves it reachable
