@@ -55,6 +55,7 @@ CASES = {
                           ["p2p/QmcaAm1dbxe3yDbWTLWVedDN8xTYf3NXS6TCfAyaMH5dc'", "not a multiaddr"]),
     "peers-bad-peer-id": (["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmNotARealPeer"], ["not a multiaddr"]),
     "peers-no-p2p": (["--initial-peers", "/ip4/127.0.0.1/tcp/1"], ["'/ip4/127.0.0.1/tcp/1'", "/p2p/PEER_ID"]),
+    "peers-typo-protocol": (["--initial-peers", "/ip4/127.0.0.1/tpc/31411"], ["unknown protocol 'tpc'", "did you mean tcp?"]),
     "announce-bad": (["--announce", "203.0.113.5:31337"], ["--announce", "'203.0.113.5:31337'", "not a multiaddr"]),
     "announce-bad-ip": (["--announce", "/ip4/203.0.113/tcp/5"], ["--announce", "not a multiaddr"]),
     "announce-peer-id": (["--announce", "/ip4/203.0.113.5/tcp/5/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"],

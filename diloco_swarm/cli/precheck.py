@@ -74,6 +74,25 @@ def is_malformed_multiaddr(addr: str) -> bool:
     return False
 
 
+def _unknown_protocol(addr: str) -> str | None:
+    """The first protocol name in ``addr`` that no multiaddr we print or parse has (``tpc`` for
+    ``tcp``), with a suggestion; None when every name is known or one takes a path."""
+    import difflib
+
+    parts = addr.rstrip("/").split("/")[1:]
+    while parts:
+        name = parts.pop(0)
+        if name in _NO_VALUE:
+            continue
+        if name not in _VALUE_CHECKS:
+            known = ["ip4", "tcp", "p2p", "ip6", "dns4", "dns6", "dns", *_VALUE_CHECKS, *_NO_VALUE]  # ours first
+            swapped = [k for k in known if sorted(k) == sorted(name)]  # letters swapped: tpc for tcp
+            close = swapped or difflib.get_close_matches(name, known, n=1)
+            return f"'{name}'" + (f" (did you mean {close[0]}?)" if close else "")
+        parts = parts[1:]
+    return None
+
+
 def check_initial_peers(values: Sequence[str]) -> None:
     """Refuse an empty address (which would silently start a new swarm) and obviously malformed ones.
 
@@ -88,6 +107,10 @@ def check_initial_peers(values: Sequence[str]) -> None:
             if is_malformed_multiaddr(item):
                 raise InputError(f"--initial-peers: '{item}' is not a multiaddr (expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)")
             if "/p2p/" not in item:
+                unknown = _unknown_protocol(item)
+                if unknown is not None:
+                    raise InputError(f"--initial-peers: '{item}' has an unknown protocol {unknown}; copy the full "
+                                     "address a node prints (/ip4/HOST/tcp/PORT/p2p/PEER_ID)")
                 raise InputError(f"--initial-peers: '{item}' lacks the /p2p/PEER_ID part; copy the full address a node prints")
 
 
