@@ -216,10 +216,10 @@ class StateSync:
             for peer, entry in entries.items():
                 if peer != self.peer_id and entry[0] > newest + 1:  # one step ahead: records still on their way
                     self._warn_unsupported(peer, entry[0])
-            donors = self.averager.donors()  # peers that serve state: a client holder is never asked
-            canonical = canonical_state(entries, self.peer_id, evidence, donors, can_donate=not self.client_mode)
-            if mine != canonical:
-                holders = [p for p, e in entries.items() if e == canonical and p in donors]
+            canonical = canonical_state(entries, self.peer_id, evidence, self.averager.donors(),
+                                        can_donate=not self.client_mode)
+            if mine != canonical:  # (a holder whose record says client serves no state: never asked)
+                holders = [p for p, e in entries.items() if e == canonical and p not in evidence.clients]
                 # behind the canonical outer step: a late peer, not a lineage of its own
                 reason = "lagging" if canonical[0] > mine[0] else "diverged"
                 state = self._download_state(min_step=canonical[0] + int(applied), reason=reason,
