@@ -56,41 +56,40 @@ _NO_VALUE = frozenset({"udt", "utp", "quic", "quic-v1", "http", "https", "tls", 
                        "p2p-websocket-star", "p2p-webrtc-star", "p2p-webrtc-direct"})
 
 
-def is_malformed_multiaddr(addr: str) -> bool:
-    """True when hivemind's multiaddr parser would certainly refuse ``addr``."""
-    if not addr.startswith("/"):
-        return True
+def _walk_multiaddr(addr: str) -> tuple[bool, str | None]:
+    """``(malformed, unknown)``: whether a known protocol of ``addr`` has a bad or missing value, and
+    the first protocol name we do not know (the real parser decides about it; the walk stops there)."""
     parts = addr.rstrip("/").split("/")[1:]
     while parts:
         name = parts.pop(0)
         if name in _NO_VALUE:
             continue
         if name not in _VALUE_CHECKS:
-            return False  # a protocol we do not know (or that takes a path): the real parser decides
+            return False, name
         try:
             _VALUE_CHECKS[name](parts.pop(0))
         except (ValueError, IndexError):
-            return True
-    return False
+            return True, None
+    return False, None
+
+
+def is_malformed_multiaddr(addr: str) -> bool:
+    """True when hivemind's multiaddr parser would certainly refuse ``addr``."""
+    return not addr.startswith("/") or _walk_multiaddr(addr)[0]
 
 
 def _unknown_protocol(addr: str) -> str | None:
     """The first protocol name in ``addr`` that no multiaddr we print or parse has (``tpc`` for
-    ``tcp``), with a suggestion; None when every name is known or one takes a path."""
+    ``tcp``), with a suggestion; None when every name is known."""
     import difflib
 
-    parts = addr.rstrip("/").split("/")[1:]
-    while parts:
-        name = parts.pop(0)
-        if name in _NO_VALUE:
-            continue
-        if name not in _VALUE_CHECKS:
-            known = ["ip4", "tcp", "p2p", "ip6", "dns4", "dns6", "dns", *_VALUE_CHECKS, *_NO_VALUE]  # ours first
-            swapped = [k for k in known if sorted(k) == sorted(name)]  # letters swapped: tpc for tcp
-            close = swapped or difflib.get_close_matches(name, known, n=1)
-            return f"'{name}'" + (f" (did you mean {close[0]}?)" if close else "")
-        parts = parts[1:]
-    return None
+    name = _walk_multiaddr(addr)[1]
+    if name is None:
+        return None
+    known = ["ip4", "tcp", "p2p", "ip6", "dns4", "dns6", "dns", *_VALUE_CHECKS, *_NO_VALUE]  # ours first
+    swapped = [k for k in known if sorted(k) == sorted(name)]  # letters swapped: tpc for tcp
+    close = swapped or difflib.get_close_matches(name, known, n=1)
+    return f"'{name}'" + (f" (did you mean {close[0]}?)" if close else "")
 
 
 def check_initial_peers(values: Sequence[str]) -> None:

@@ -1,0 +1,105 @@
+"""Real averagers over 127.0.0.1 (``PseudoGradientAverager``): a client that joins a round beginning
+later than its own plan, and the round's average as it arrives (``arrived`` / ``peek``), which the node
+previews into θ_local before the round is verified (node/outer_sync.py, ``OuterSync.correct``).
+
+A client (NAT: it dials out only, so it never leads a group). hivemind's leader refuses a follower
+whose join request expires before the leader begins (BAD_EXPIRATION_TIME), and a follower asks each
+leader declaration once. A client that handed off late for its own plan (its request expiring a few
+seconds ahead) was refused by the full peers' next round, which begins at their own scheduled time;
+in a 3-node overlap swarm (2 full peers, 1 client) the client then missed every other round: 30 s
+windows with "could not find a group", then a download that dropped its Δ, while the full peers
+waited for it each time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import pytest
+import torch
+
+from diloco_swarm.averaging.averager import PseudoGradientAverager
+from diloco_swarm.dht.swarm import start_dht, visible_maddrs
+
+SHAPES = [(256, 64), (64,), (64, 32), (32,)]
+LEADER_BEGINS_IN_S = 10.0  # the full peers' planned start, well past the client's own plan
+
+
+def _delta(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [1e-2 * torch.randn(s, generator=g) for s in SHAPES]
+
+
+@contextlib.contextmanager
+def _averagers(prefix: str, target_group_size: int, clients: tuple[bool, ...]):
+    """One DHT and averager per entry of ``clients`` (True: a client), bootstrapped from the first;
+    all shut down at the end."""
+    dhts = [start_dht(initial_peers=[], host="127.0.0.1", port=0)]
+    dhts += [start_dht(initial_peers=visible_maddrs(dhts[0]), host="127.0.0.1", port=0, client_mode=client)
+             for client in clients[1:]]
+    averagers: list[PseudoGradientAverager] = []
+    try:
+        for dht, client in zip(dhts, clients):
+            averagers.append(PseudoGradientAverager([torch.zeros(s) for s in SHAPES], dht, prefix=prefix,
+                                                    target_group_size=target_group_size, matchmaking_time=2.0,
+                                                    client_mode=client))
+        yield averagers
+    finally:
+        for averager in averagers:
+            with contextlib.suppress(Exception):
+                averager.shutdown()
+        for dht in reversed(dhts):
+            dht.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_client_joins_a_round_that_begins_later_than_its_own_plan():
+    # Two full peers plan their round of 3 to begin in 10 s; the client, handing off 1 s later,
+    # planned to begin at once (it was late for the round its plan saw). Without the fix the leader
+    # refused it, began with the other full peer at its scheduled time, and the client's round failed.
+    with _averagers("client-join", 3, (False, False, True)) as averagers:
+        results: list = [None] * 3
+        started = time.time()
+
+        def run(i: int, scheduled_time: float) -> None:
+            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={}, timeout=40.0,
+                                              scheduled_time=scheduled_time, group_size=3)[0]
+
+        threads = [threading.Thread(target=run, args=(i, started + LEADER_BEGINS_IN_S), daemon=True) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        threads.append(threading.Thread(target=run, args=(2, time.time()), daemon=True))
+        threads[-1].start()
+        for t in threads:
+            t.join(timeout=90.0)
+        assert all(r is not None for r in results), "a round did not end"
+        assert [r.group_size for r in results] == [3, 3, 3], [(r.group_size, r.reason) for r in results]
+        assert all(r.ok for r in results) and len({r.digest for r in results}) == 1, [r.reason for r in results]
+        assert averagers[2].client_mode and not averagers[0].client_mode
+
+
+@pytest.mark.timeout(120)
+def test_every_tensor_of_the_average_arrives_under_the_rounds_token_with_the_verified_values():
+    with _averagers("arrivals", 2, (False, False)) as averagers:
+        tokens = [a.begin_arrivals() for a in averagers]
+        assert [a.arrived() for a in averagers] == [(t, 0) for t in tokens]  # nothing arrived yet
+        results: list = [None, None]
+
+        def run(i: int) -> None:
+            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={}, timeout=30.0, group_size=2)
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60.0)
+        for averager, token, (result, average) in zip(averagers, tokens, results):
+            assert result.ok, result.reason
+            assert averager.arrived() == (token, len(SHAPES))
+            for i, value in enumerate(average):
+                assert torch.equal(averager.peek(i, token), value)  # the preview is the verified average
+            assert averager.peek(0, token + 1) is None  # another round's token reads nothing
+            assert averager.begin_arrivals() == token + 1 and averager.arrived() == (token + 1, 0)
