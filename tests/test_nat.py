@@ -140,11 +140,9 @@ def test_nat_peers_detect_they_are_clients_and_average_exactly(tmp_path, net):
         assert nat1.outer_steps()[-1]["eval_loss"] < nat1.events("eval")[0]["eval_loss"]
 
 
-@pytest.mark.timeout(480)
-def test_nat_peers_forced_public_never_keep_a_wrong_average(tmp_path, net):
-    """(b) two NATed hosts forced to --public: affected rounds are reported as failed, and no
-    peer continues with anything but the true group mean or its own Δ."""
-    dumps = tmp_path / "dumps"
+def _forced_public_swarm(tmp_path, net, attempt: int):
+    """Run test (b)'s swarm once; :returns: (the four nodes, the rounds dump dir, the NATed peer ids)."""
+    dumps = tmp_path / f"dumps{attempt}"
     # The hazard needs both NATed peers in one group with a public leader. hivemind's matchmaking
     # makes the peer that entered it first the leader; when a NATed peer was first, the others
     # lost time dialing it and one NATed peer always missed the group (seen in CI, every round).
@@ -153,7 +151,9 @@ def test_nat_peers_forced_public_never_keep_a_wrong_average(tmp_path, net):
     extra = [*BASE_ARGS, "--max-outer-steps", str(FORCED_STEPS), "--matchmaking-time", "10",
              "--debug-dump-rounds", str(dumps)]
     slow = ["--public", "--batch-size", "16"]
-    with Swarm(tmp_path, "nat-b", extra=extra) as swarm:
+    root = tmp_path / f"attempt{attempt}"
+    root.mkdir()
+    with Swarm(root, f"nat-b{attempt}", extra=extra) as swarm:
         pub1 = swarm.start("pub1", wrap=net["pub1"].wrap(), timeout=150)
         seed = dict(initial=pub1, initial_host=net["pub1"].address, wait_start=False)
         pub2 = swarm.start("pub2", wrap=net["pub2"].wrap(), **seed)
@@ -161,20 +161,33 @@ def test_nat_peers_forced_public_never_keep_a_wrong_average(tmp_path, net):
         nat2 = swarm.start("nat2", *slow, wrap=net["nat2"].wrap(), **seed)
         for node in (pub1, pub2, nat1, nat2):
             assert swarm.wait_exit(node, 420) == 0, node.output()[-3000:]
+    return (pub1, pub2, nat1, nat2), dumps, {nat1.events("start")[0]["peer_id"], nat2.events("start")[0]["peer_id"]}
 
-        ok, failed = check_rounds(dumps)
-        nat_ids = {nat1.events("start")[0]["peer_id"], nat2.events("start")[0]["peer_id"]}
+
+@pytest.mark.timeout(900)
+def test_nat_peers_forced_public_never_keep_a_wrong_average(tmp_path, net):
+    """(b) two NATed hosts forced to --public: affected rounds are reported as failed, and no
+    peer continues with anything but the true group mean or its own Δ."""
+    for attempt in (1, 2):
+        nodes, dumps, nat_ids = _forced_public_swarm(tmp_path, net, attempt)
+        ok, failed = check_rounds(dumps)  # every attempt's rounds must hold, whether or not the NATed pair met
         together = [r for r in _rounds(dumps) if nat_ids <= set(r["group"])]
-        assert together, "the two NATed full peers never met in a group: " + str(
-            [(r["peer_id"][-6:], [g[-6:] for g in r["group"]], r["ok"]) for r in _rounds(dumps)])
-        assert not [r for r in together if r["ok"]], "a group of two unreachable full peers was kept"
-        assert failed
-        for node in (pub1, pub2, nat1, nat2):
-            records = node.outer_steps()
-            assert records and (records[-1]["synced_to"] or records[-1]["outer_step"]) == FORCED_STEPS, (node.name, records)
-            reported = [r for r in records if not r["round_ok"] and r["group_size"] >= 2]
-            assert records[-1]["failed_rounds"] == len(reported)
-        assert sum(n.outer_steps()[-1]["failed_rounds"] for n in (pub1, pub2, nat1, nat2)) == len(failed)
+        # The meeting is staged, not guaranteed: a peer that cannot be reached is found gone once it is late
+        # for its group (node/redial.py: ProbePeers), so the pair meets only when both are on time. CI once saw
+        # the first round begin without one of them, and the pair never met again. A second swarm then
+        # stages it again: only the staging is retried, never the checks.
+        if together:
+            break
+    assert together, "the two NATed full peers never met in a group, twice: " + str(
+        [(r["peer_id"][-6:], [g[-6:] for g in r["group"]], r["ok"]) for r in _rounds(dumps)])
+    assert not [r for r in together if r["ok"]], "a group of two unreachable full peers was kept"
+    assert failed
+    for node in nodes:
+        records = node.outer_steps()
+        assert records and (records[-1]["synced_to"] or records[-1]["outer_step"]) == FORCED_STEPS, (node.name, records)
+        reported = [r for r in records if not r["round_ok"] and r["group_size"] >= 2]
+        assert records[-1]["failed_rounds"] == len(reported)
+    assert sum(n.outer_steps()[-1]["failed_rounds"] for n in nodes) == len(failed)
 
 
 @pytest.mark.timeout(300)
