@@ -286,3 +286,26 @@ def test_resume_refuses_non_finite_state_and_negative_counters(tmp_path):
     ckpt["outer_step"] = -5  # a hand-edited counter: a node would resume "at outer step -5"
     with pytest.raises(CheckpointError, match="outer_step = -5"):
         fresh_node()._restore(ckpt)
+
+
+def test_the_snapshot_of_a_state_is_untouched_by_later_steps():
+    """node/runner.py's ``cloned`` (the training thread's checkpoint snapshot, in place of copy.deepcopy):
+    every tensor is copied, so steps taken while the checkpoint thread writes it do not reach it."""
+    from diloco_swarm.node.runner import cloned
+
+    param = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([param], lr=0.1)
+    param.grad = torch.full((4,), 0.5)
+    opt.step()
+    live = {"outer_step": 3, "spec": {"run_id": "r1"}, "theta": [param.detach()], "pair": (param.detach(), 1),
+            "inner_optimizer": opt.state_dict()}
+    snap = cloned(live)
+    before = {k: v.clone() for k, v in snap["inner_optimizer"]["state"][0].items()}
+    theta = snap["theta"][0].clone()
+    opt.step()  # AdamW updates its moments and the parameter in place
+    for key, value in snap["inner_optimizer"]["state"][0].items():
+        assert torch.equal(value, before[key]), key
+    assert torch.equal(snap["theta"][0], theta) and not torch.equal(param.detach(), theta)
+    assert type(snap["pair"]) is tuple and snap["pair"][1] == 1
+    assert snap["spec"] == live["spec"] and snap["spec"] is not live["spec"]
+    assert snap["inner_optimizer"]["param_groups"] == live["inner_optimizer"]["param_groups"]

@@ -106,11 +106,11 @@ class OuterOptimizer:
         lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
         theta = self.theta[index]
         grad = delta.to(torch.float32)
-        buf = torch.zeros_like(theta)
-        if momentum != 0:
-            buf = self.optimizer.state.get(theta, {}).get("momentum_buffer")
-            buf = grad.clone() if buf is None else buf.mul(momentum).add_(grad)
-            grad = grad.add(buf, alpha=momentum) if nesterov else buf
+        if momentum == 0:
+            return theta.add(grad, alpha=-lr), torch.zeros_like(theta)
+        buf = self.optimizer.state.get(theta, {}).get("momentum_buffer")
+        buf = grad.clone() if buf is None else buf.mul(momentum).add_(grad)
+        grad = grad.add(buf, alpha=momentum) if nesterov else buf
         return theta.add(grad, alpha=-lr), buf
 
     @torch.no_grad()

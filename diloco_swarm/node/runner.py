@@ -60,6 +60,20 @@ GRID_MEMORY_S = 20.0  # a peer whose record a read missed stays in the round's g
 HEARD_MEMORY_S = 120.0  # how long we remember when a peer's record last changed
 
 
+def cloned(state: Any) -> Any:
+    """A copy of a state dict whose tensors no later step can change: tensors cloned, containers
+    rebuilt, everything else deep-copied. ``copy.deepcopy`` does the same at about 3x the time on
+    the training thread (its per-object memo; measured 21 ms against 7 ms for the `small` model's
+    11M fp32 values), and it runs after every outer step."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: cloned(v) for k, v in state.items()}
+    if type(state) in (list, tuple):
+        return type(state)(cloned(v) for v in state)
+    return copy.deepcopy(state)
+
+
 def seconds_to_handoff(phase_eta: float, now: float, *, silent_s: float, max_silent_s: float,
                        first_round: bool = False) -> float:
     """A peer's ETA for ``grouping.plan_round`` from its record: seconds until it hands off its phase
@@ -799,16 +813,17 @@ class Node(Startup, StateSync, Mixing):
 
     def _checkpoint_state(self) -> dict[str, Any]:
         """A consistent copy of what the checkpoint holds (tensors cloned: it may be written later)."""
-        return copy.deepcopy({
+        outer = self.outer.state_dict()  # θ_global already cloned there
+        return {
             "spec": self.spec.model_dump(),
             "spec_hash": self.spec.spec_hash(),
             "peer_id": self.peer_id,
             "outer_step": self.outer_step,
             "inner_steps_total": self.stats.inner_steps_total,
             "tokens_total": self.stats.tokens_total,
-            "outer": self.outer.state_dict(),
-            "inner_optimizer": self.inner_opt.state_dict(),
-        })
+            "outer": {**outer, "optimizer": cloned(outer["optimizer"])},
+            "inner_optimizer": cloned(self.inner_opt.state_dict()),
+        }
 
     def _save_checkpoint_in_background(self) -> None:
         """Snapshot the state now (training thread), write it on the housekeeping thread."""
