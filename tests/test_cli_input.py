@@ -76,6 +76,9 @@ CASES = {
     "window-inf": (["--averaging-window", "inf"], ["--averaging-window must be a finite number"]),
     "allreduce-timeout-inf": (["--allreduce-timeout", "inf"], ["--allreduce-timeout must be a finite number"]),
     "outer-lr-inf": (["--outer-lr", "inf"], ["--outer-lr", "finite number"]),
+    # a range check fails on nan first: it said "should be less than or equal to 1" of no number at all
+    "eval-budget-nan": (["--eval-budget", "nan"], ["--eval-budget must be a finite number, got nan"]),
+    "matchmaking-time-nan": (["--matchmaking-time=nan"], ["--matchmaking-time must be a finite number, got nan"]),
 }
 
 

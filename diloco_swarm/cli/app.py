@@ -410,6 +410,26 @@ def _abort_types() -> tuple[type[BaseException], ...]:
     return tuple(t for t in types if t is not None)
 
 
+def _non_finite(opts: list[str], argv: list[str]) -> str | None:
+    """``require_finite``'s line for a flag of ``opts`` given ``nan`` or ``inf`` in ``argv``, or None.
+    A range check fails on nan first (nan ≤ 1 is false) and would say "should be less than or
+    equal to 1" of a value that is no number at all."""
+    for i, arg in enumerate(argv):
+        for opt in opts:
+            if arg == opt and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith(opt + "="):
+                value = arg[len(opt) + 1:]
+            else:
+                continue
+            try:
+                if not math.isfinite(float(value)):
+                    return f"{opt} must be a finite number, got {value}"
+            except ValueError:
+                continue
+    return None
+
+
 def main() -> None:
     """Console-script entry point. ``kill -USR1 <pid>`` prints every thread's stack (for hangs)."""
     import faulthandler
@@ -426,7 +446,8 @@ def main() -> None:
         else:
             ctx = getattr(e, "ctx", None)
             hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-            fail(f"{e.format_message()}{hint}")
+            fail(_non_finite(getattr(getattr(e, "param", None), "opts", None) or [], sys.argv[1:])
+                 or f"{e.format_message()}{hint}")
         sys.exit(getattr(e, "exit_code", USAGE_ERROR))
     except _abort_types():
         err.print("interrupted")
