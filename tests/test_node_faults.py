@@ -114,6 +114,7 @@ def test_a_copied_state_dir_refuses_to_run_twice(tmp_path):
         lines = error_lines(copy)
         assert len(lines) == 1 and "identity" in lines[0] and "state dir" in lines[0].replace("--state-dir", "state dir"), lines
         assert "Traceback" not in copy.output()
+        assert "resumed from" not in copy.output()  # (it said so before its refusal)
         assert not copy.events("outer_step")  # refused before training
         # pointed at the original itself: libp2p will not dial its own peer id, so no peer answers at all
         # (without peers.json: with it, the copy dials a, whose ping back reaches b: the line above)

@@ -127,7 +127,6 @@ class Startup:
             self._restore(checkpoint)
             self._checkpoint_on_disk = self.outer_step
             self.stop.has_checkpoint = True
-            self.status.log(f"resumed from {checkpoint_path(cfg.state_dir)} at outer step {self.outer_step}")
             # the state we hold: with another holder's record, evidence for a joiner (node/statesync.py)
             self.stats.theta_marks.append((self.outer_step, theta_digest(self.outer.theta)))
 
@@ -182,6 +181,8 @@ class Startup:
             f"peer {self.peer_id} | run '{spec.run_id}' | model {spec.model} "
             f"({num_parameters(self.model) / 1e6:.2f}M params) on {self.device} | data {self.assets.description}"
         )
+        if checkpoint is not None:  # said once the DHT took our identity (a copied state dir fails before)
+            self.status.log(f"resumed from {checkpoint_path(cfg.state_dir)} at outer step {self.outer_step}")
         if self.client_mode:  # nobody can dial a client: its addresses are useless to joiners
             self.status.log("others cannot join through this node (it is a client); give them the address of a "
                             "public peer, e.g. the one in your --initial-peers")
