@@ -23,16 +23,16 @@ by both peers, or the alone node's second round, to its second-to-last round):
   steps per round (the averaging thread's codec work, digests and copies run in it). On a GPU peer
   all of this stays on the CPU, while the inner steps move to the GPU.
 
-How the size was chosen (full): the ``small`` preset (11.1M parameters) sends about 11 MB per peer
-and round in int8 with 2 peers; at 20 Mbit/s (2.5 MB/s) that is ~4.5 s on the wire, ~7-8 s with
-matchmaking and the digest check; measured: 11-13 s per round (``round_wall_s``) with 2 peers under
-a load average of ~11 on 2 cores. One inner step (batch 4, seq_len 64, one thread) took 0.35-0.5 s
-alone on a quiet moment but ~2 s with both peers under that load (50 steps: ~100 s of inner time
-per phase), so H = 20 makes a phase ~40 s: a round is about a third of a phase.
+How the size was chosen (full): issue 12 asks for links where one round's transfer takes about a
+third of an inner phase. The ``small`` preset (11.1M parameters) sends about 11 MB per peer and
+round in int8 with 2 peers: ~4.5 s at 20 Mbit/s. The inner phase depends on the CPU, so H is sized
+at run time from one timed inner step (:func:`sized_inner_steps`); a fixed H = 20, chosen on a
+machine twice as slow, made the rounds 1.5-2 phases long on a faster one.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 import tempfile
@@ -40,7 +40,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import DEFAULT_OUT, loadavg, md_table
+import torch
+
+from bench.common import DEFAULT_OUT, human_bytes, loadavg, md_table
 from bench.nodes import NodeSpec, keep_logs, run_nodes, steady_window, window_figures
 
 MODES = ("overlap", "blocking", "alone")
@@ -50,8 +52,9 @@ SIZES = {
     "quick": {"model": "tiny", "H": 20, "seq_len": 64, "batch": 4, "rate": "20mbit", "outer_steps": 6,
               "max_bytes": 1_000_000, "timeout": 400, "keep_logs": True},
     "full": {"model": "small", "H": 20, "seq_len": 64, "batch": 4, "rate": "20mbit", "outer_steps": 7,
-             "max_bytes": 4_000_000, "timeout": 900, "keep_logs": True},
+             "max_bytes": 4_000_000, "timeout": 1200, "keep_logs": True, "size_H": True},
 }
+PHASE_PER_TRANSFER = 3.0  # issue 12: one round's transfer takes about a third of an inner phase
 MATCHMAKING_S = 2.0
 RUNS_DIR = DEFAULT_OUT / "overlap-runs"  # the nodes' metrics and logs of the last run, to look into
 AVERAGING_WINDOW_S = 30.0
@@ -86,10 +89,58 @@ def run_mode(cfg: dict[str, Any], mode: str, placements: list[tuple[list[str], s
     return {"mode": mode, "loadavg_start": load, "elapsed_s": round(time.time() - t0, 1), "peers": peers}
 
 
+def _bits_per_s(rate: str) -> float:
+    """tc's rate ("20mbit", "100kbit", "1gbit") in bits per second."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    unit = next(u for u in units if rate.endswith(u))
+    return float(rate[: -len(unit)]) * units[unit]
+
+
+def sized_inner_steps(cfg: dict[str, Any], timed_steps: int = 8) -> dict[str, Any]:
+    """H such that one round's int8 transfer at ``cfg["rate"]`` takes about 1/:data:`PHASE_PER_TRANSFER`
+    of an inner phase (issue 12's premise), from one inner step timed here with one thread (the
+    nodes' ``--threads 1``) on random tokens. A fixed H drifted with the CPU: on one twice as fast,
+    H = 20 made the rounds 1.5-2 phases long. A 2-peer butterfly round sends each peer's half of Δ
+    and its half of the average: one int8 copy of the model (``codec.wire_bytes`` per tensor).
+
+    :returns: ``{"H", "step_s", "transfer_s", "wire_bytes"}`` (H at least ``cfg["H"]``).
+    """
+    from diloco_swarm.averaging.codec import wire_bytes
+    from diloco_swarm.models import build_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_model(cfg["model"], seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randint(0, 256, (cfg["batch"], cfg["seq_len"]))
+        times = []
+        for i in range(3 + timed_steps):  # 3 warm-up steps
+            t0 = time.perf_counter()
+            _, loss = model(x, x)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    step_s = sorted(times)[len(times) // 2]
+    sent = sum(wire_bytes(p.numel()) for p in model.parameters())
+    transfer_s = 8 * sent / _bits_per_s(cfg["rate"])
+    H = max(cfg["H"], math.ceil(PHASE_PER_TRANSFER * transfer_s / step_s))
+    return {"H": H, "step_s": round(step_s, 4), "transfer_s": round(transfer_s, 2), "wire_bytes": sent}
+
+
 def run(size: str) -> dict[str, Any]:
     from bench.netutil import netns_check, star_topology, tc_qdisc_kinds
 
     cfg = SIZES[size]
+    if cfg.get("size_H"):
+        sizing = sized_inner_steps(cfg)
+        cfg = {**cfg, "H": sizing["H"], "H_sizing": sizing}
+        print(f"[overlap] H = {sizing['H']}: one inner step {sizing['step_s']:.3f} s here, a round's transfer "
+              f"~{sizing['transfer_s']:.1f} s at {cfg['rate']}", file=sys.stderr, flush=True)
     ok, why = netns_check()
     qdiscs = tc_qdisc_kinds() if ok else {"tbf": False, "netem": False}
     limited = ok and qdiscs["tbf"]
@@ -111,6 +162,20 @@ def run(size: str) -> dict[str, Any]:
     for line in summary_lines(result):
         print(f"[overlap] {line}", file=sys.stderr, flush=True)
     return result
+
+
+def _size_choice(cfg: dict[str, Any]) -> str:
+    sizing = cfg.get("H_sizing")
+    if sizing is None:  # runs before H was sized at run time
+        return ("Size choice: a 2-peer int8 round of the `small` preset moves ~11 MB per peer, ~4.5 s at 20 Mbit/s; "
+                "a first run with H = 50 measured 11-13 s per round and ~2 s per inner step (both peers on this shared "
+                "2-core machine at a load average of ~11), so H = 20 makes the round about a third of a phase (compare "
+                "*round wall s* with *inner s per round* below).")
+    return (f"Size choice, made by the run: H is sized so that one round's transfer takes about a third of an inner "
+            f"phase (issue 12's premise): a 2-peer int8 round sends {human_bytes(sizing['wire_bytes'])} per peer, "
+            f"~{sizing['transfer_s']:.1f} s at {cfg['rate']}; one inner step took {sizing['step_s']:.3f} s here (one "
+            f"thread, timed before the runs), so H = ⌈{PHASE_PER_TRANSFER:g} × transfer ÷ step⌉ = {cfg['H']} (compare "
+            f"*round wall s* with *inner s per round* below).")
 
 
 def _ratio(a, b):
@@ -186,10 +251,7 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         f"they share the CPUs as the pair does; a lone overlapped node skips matchmaking and applies its own Δ).\n",
         f"Run: model `{cfg['model']}` ({result['params']:,} parameters), H = {cfg['H']}, seq_len {cfg['seq_len']}, "
         f"batch {cfg['batch']}, int8, {cfg['outer_steps']} outer steps, matchmaking {result['matchmaking_time']} s, "
-        f"`--device cpu --threads 1`. Size choice: a 2-peer int8 round of the `small` preset moves ~11 MB per peer, "
-        f"~4.5 s at 20 Mbit/s; a first run with H = 50 measured 11-13 s per round and ~2 s per inner step "
-        f"(both peers on this shared 2-core machine at a load average of ~11), so H = 20 makes the round about a "
-        f"third of a phase (compare *round wall s* with *inner s per round* below).\n",
+        f"`--device cpu --threads 1`. {_size_choice(cfg)}\n",
         "*Tokens/s* = tokens of the rounds applied in the steady window ÷ its wall seconds (window: from the first "
         "round both peers averaged, or the alone node's second round, to the second-to-last round: with "
         "`--max-outer-steps` the last round has no phase to hide behind). *Lone-peer ratio* = the alone node's "
