@@ -301,15 +301,17 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
     md.append("\n*At equal step speed* = the ratio of the inner-step shares of wall time (tokens per wall second ÷ "
               "tokens per inner-step second), i.e. the tokens/s ratio had both runs' inner steps run at the same speed. "
               "The three runs are minutes apart on a machine shared with other jobs: when the load changes between "
-              "them, the inner steps of a whole run slow down (the CPU seconds per inner step stay the same, see the "
-              "table), and the plain tokens/s ratio measures that load, not the averaging. The inner-step speed "
+              "them, the inner steps of a whole run slow down (in wall time, and on a shared host sometimes in CPU "
+              "seconds per step too: see the table), and the plain tokens/s ratio measures that, not the averaging. The inner-step speed "
               "column shows how far apart the runs were; when it differs, read the equal-speed ratio. It does not "
               "charge the averaging's CPU competing with the inner steps: that is in the next columns.\n")
     md.append("\n*Averaging CPU per round*: CPU seconds (/proc, user + system) of the node's forked processes "
               "(hivemind's DHT and averager) and p2pd per round, minus the same in the alone run, plus the training "
               "process's extra CPU per inner step over the alone run × inner steps per round (the averaging thread "
               "runs in it). A GPU peer pays this on its CPU while its inner steps run on the GPU; on this 2-core "
-              "machine it competes with CPU training, which is why overlap ÷ alone can fall short of 1.\n")
+              "machine it competes with CPU training, which is why overlap ÷ alone can fall short of 1. It reads "
+              "negative when the alone run's inner steps took more CPU each than the others': then it measures that "
+              "drift.\n")
     for note in result.get("notes", []):  # a reading of the run, added to its JSON afterwards
         md.append(f"\n*Note:* {note}\n")
     problems = []
