@@ -176,6 +176,14 @@ def test_check_rejects_too_small_splits():
         corpus.check(seq_len=100)
 
 
+def test_a_too_small_file_is_named_by_its_path_not_its_identity(tmp_path):
+    (tmp_path / "small.txt").write_text("hello")
+    corpus = load_corpus(tmp_path / "small.txt")
+    with pytest.raises(DatasetError, match="training") as e:
+        corpus.check(seq_len=64)
+    assert str(tmp_path / "small.txt") in str(e.value) and "files:" not in str(e.value)
+
+
 # --- sampling ------------------------------------------------------------------
 
 TOKENS = np.frombuffer(bytes(range(256)) * 40, dtype=np.uint8)

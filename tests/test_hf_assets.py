@@ -325,8 +325,10 @@ def test_export_errors_are_one_line_and_exit_2(tmp_path):
     _fake_trained_state(tmp_path / "ok", "tiny")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
+    (tmp_path / "afile").write_text("")  # an empty file is no folder to export into
     cases = {"missing": ("none", "o1", "does not exist"), "no checkpoint": ("empty", "o2", "holds no checkpoint"),
              "corrupt": ("bad", "o3", "corrupt or truncated"), "out not empty": ("ok", "full", "not empty"),
+             "out a file": ("ok", "afile", "is an existing file"),
              # the kernel refuses new files in /proc even to root; the message names --out, not its temp folder
              "out not writable": ("ok", "/proc/nc-exp", "--out /proc/nc-exp cannot be written")}
     runs = run_all({name: ["export", "--state-dir", str(tmp_path / sd), "--out", str(tmp_path / out)]

@@ -55,12 +55,14 @@ class Corpus:
         held_out: uint8, 1-D; the held-out files joined by a b"\\n" byte (or
             the last 5% of the bytes when there is a single file).
         n_files: number of non-empty text files loaded (both splits).
+        label: what the user named (``--dataset``'s path or glob), for messages; "" = ``description``.
     """
 
     description: str
     train: np.ndarray
     held_out: np.ndarray
     n_files: int
+    label: str = ""
 
     def check(self, seq_len: int) -> None:
         """Check that both splits can hold one training window.
@@ -76,14 +78,15 @@ class Corpus:
         _check_positive_int("seq_len", seq_len)
         need = seq_len + 1
         unit = "bytes" if self.train.dtype == np.uint8 else "tokens"  # hf_corpus.py: token ids
+        name = repr(self.label) if self.label else self.description  # the user's words, not the identity
         if len(self.train) < need:
             raise DatasetError(
-                f"dataset {self.description} has only {len(self.train)} training {unit} but "
+                f"dataset {name} has only {len(self.train)} training {unit} but "
                 f"seq_len {seq_len} needs at least {need}; use more text or a smaller seq_len"
             )
         if len(self.held_out) < need:
             raise DatasetError(
-                f"dataset {self.description} has only {len(self.held_out)} held-out {unit} but "
+                f"dataset {name} has only {len(self.held_out)} held-out {unit} but "
                 f"seq_len {seq_len} needs at least {need}; use more or larger files or documents "
                 f"(the held-out part is about 1 in {_HELD_OUT_MODULUS}, else the last one) "
                 f"or a smaller seq_len"
@@ -150,7 +153,7 @@ def load_corpus(dataset: str | os.PathLike | None, *, max_bytes: int | None = No
         train = _join([data for (_, data), h in zip(loaded, is_held) if not h])
         held_out = _join([data for (_, data), h in zip(loaded, is_held) if h])
 
-    return Corpus(description=description, train=train, held_out=held_out, n_files=len(loaded))
+    return Corpus(description=description, train=train, held_out=held_out, n_files=len(loaded), label=str(label))
 
 
 def _held_out_hash(rel: str) -> int:

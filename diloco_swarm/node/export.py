@@ -138,7 +138,9 @@ def export_model(state_dir: Path, out: Path) -> dict[str, Any]:
             written (the disk write failed; ``out`` is not created).
         CheckpointError: a corrupt checkpoint.
     """
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is an existing file; choose a new folder (nothing was written)")
+    if out.exists() and any(out.iterdir()):
         raise ExportError(f"--out {out} already exists and is not empty; choose a new folder (nothing was written)")
     try:  # before the checkpoint is read (seconds): an unwritable --out is said at once
         out.parent.mkdir(parents=True, exist_ok=True)
