@@ -728,7 +728,7 @@ class Node(Startup, StateSync, Mixing):
 
     def _after_round(self, handoff: Handoff, outcome: RoundOutcome, round_step: int, during_inner_step: int | None,
                      late: bool = False, stepped: bool = False) -> None:
-        """Checkpoint (written on the housekeeping thread), evaluation within its time budget, the
+        """Checkpoint (written on the checkpoint thread), evaluation within its time budget, the
         metrics record and the status line; DHT upkeep on the housekeeping thread. ``stepped``: an
         outer step moved θ_global (its digest, begun by :meth:`_start_digest`, marks that step)."""
         self._save_checkpoint_in_background()
@@ -845,7 +845,7 @@ class Node(Startup, StateSync, Mixing):
         }
 
     def _save_checkpoint_in_background(self) -> None:
-        """Snapshot the state now (training thread), write it on the housekeeping thread."""
+        """Snapshot the state now (training thread), write it on the checkpoint thread."""
         state = self._checkpoint_state()
         self.stop.has_checkpoint = True
         self._last_checkpoint = self._checkpoints.submit(self._write_checkpoint, state)
