@@ -297,8 +297,8 @@ def bare_node(events, overlap=True):
     node.cfg, node._state_lock = SimpleNamespace(debug_dump_rounds=None), threading.Lock()
     node.outer_step, node._carried, node.records = 0, None, []
     node.history, node._theta_version = ThetaHistory(), 0
-    node._global_digest, node._start_digest = lambda: f"step {node.outer_step}", lambda: None
-    node._after_round = lambda h, result, step, during, late=False, stepped=False: node.records.append((step, late, h.tokens))
+    node._global_digest = lambda: f"step {node.outer_step}"
+    node._after_round = lambda h, result, step, during, late=False: node.records.append((step, late, h.tokens))
     return node
 
 
@@ -452,29 +452,3 @@ def test_a_mixed_state_is_adopted_with_its_outer_step_keeping_local_progress():
     assert all(torch.equal(a, b) for a, b in zip(node.history.get((0, "step 0")), theta0))
     assert node.stats.theta_marks[-1] == (4, "ab" * 8) and node.stats.state_syncs == 0
 
-
-
-def test_the_digest_begun_beside_the_training_thread_is_that_of_the_current_theta():
-    """``Node._start_digest`` hashes θ_global on the digest thread after an outer step; the digest the
-    node then reports is that θ_global's, and a later change of θ_global is never given the old one."""
-    from diloco_swarm.node.runner import Node
-    from diloco_swarm.node.statesync import theta_digest
-    from diloco_swarm.utils.worker import Worker
-
-    node = Node.__new__(Node)
-    node.outer = SimpleNamespace(theta=[torch.randn(1000, 300), torch.randn(7)])
-    node._digests, node._digest_pending, node._digest_cache, node._theta_version = Worker("digest"), None, None, 1
-    try:
-        node._start_digest()
-        first = node._global_digest()
-        assert first == theta_digest(node.outer.theta)
-        node.outer.theta[1].add_(1.0)  # the next outer step, without a digest begun for it
-        node._theta_version += 1
-        assert node._global_digest() == theta_digest(node.outer.theta) != first
-        node._start_digest()  # begun, then superseded by another change before it was taken
-        node._digest_pending[1].result()  # (the node never changes θ_global while it is hashed)
-        node.outer.theta[0].mul_(2.0)
-        node._theta_version += 1
-        assert node._global_digest() == theta_digest(node.outer.theta)
-    finally:
-        node._digests.close()

@@ -160,8 +160,6 @@ class Node(Startup, StateSync, Mixing):
         self.sync: OuterSync | None = None
         self._housekeeping = Worker("housekeeping")  # DHT upkeep: records, run spec, the swarm's records
         self._checkpoints = Worker("checkpoint")  # writes, in order; never queued behind a slow DHT call
-        self._digests = Worker("digest")  # θ_global's sha256 after an outer step, beside the training thread
-        self._digest_pending: tuple[int, Any] | None = None  # (θ version, future of its digest)
         self._reconnect = Worker("reconnect")  # ReconnectPeers passes (node/redial.py); dials take seconds
         self._last_checkpoint = None  # future of the newest checkpoint write
         self._checkpoint_on_disk: int | None = None  # outer step of the newest checkpoint written (None: none yet)
@@ -646,24 +644,11 @@ class Node(Startup, StateSync, Mixing):
         return PseudoGradientAverager
 
     def _global_digest(self) -> str:
-        """Digest of θ_global, computed once per change (sha256 over every parameter is not free):
-        the one :meth:`_start_digest` began for this version, else computed here."""
+        """Digest of θ_global, computed once per change (sha256 over every parameter is not free)."""
         version = self._theta_version
         if self._digest_cache is None or self._digest_cache[0] != version:
-            pending, self._digest_pending = self._digest_pending, None
-            if pending is not None and pending[0] == version:
-                digest = pending[1].result()
-            else:
-                digest = theta_digest(self.outer.theta)
-            self._digest_cache = (version, digest)
+            self._digest_cache = (version, theta_digest(self.outer.theta))
         return self._digest_cache[1]
-
-    def _start_digest(self) -> None:
-        """Hash θ_global on the digest thread (hashlib releases the GIL) while the training thread
-        snapshots the checkpoint and evaluates: sha256 runs at about 1.2 GB/s, 40 ms per outer step
-        for the `small` model's 44.6 MB and seconds for a 1B one. θ_global only changes on the
-        training thread, which takes this digest (:meth:`_global_digest`) before its next change."""
-        self._digest_pending = (self._theta_version, self._digests.submit(theta_digest, self.outer.theta))
 
     def _round_metadata(self, handoff: Handoff) -> dict[str, Any]:
         """What the group's members gather from us: the θ_global we started the round from."""
@@ -710,7 +695,7 @@ class Node(Startup, StateSync, Mixing):
                 self.sync.apply(outcome.average, estimate)
                 self.outer_step += 1
                 self._theta_version += 1
-            self._start_digest()  # taken for the θ mark and the round record, after the snapshot
+            self.stats.theta_marks.append((self.outer_step, self._global_digest()))
         else:  # late: others are online but we are in no verified round; a solo step would start a lineage
             held = True
             with self._state_lock:
@@ -723,20 +708,16 @@ class Node(Startup, StateSync, Mixing):
             self.stats.late_rounds += 1
         else:
             self.stats.tokens_total += handoff.tokens
-        self._after_round(handoff, outcome, round_step, during_inner_step, late=carry,
-                          stepped=outcome.mixed is None and outcome.state is None and not held)
+        self._after_round(handoff, outcome, round_step, during_inner_step, late=carry)
 
     def _after_round(self, handoff: Handoff, outcome: RoundOutcome, round_step: int, during_inner_step: int | None,
-                     late: bool = False, stepped: bool = False) -> None:
+                     late: bool = False) -> None:
         """Checkpoint (written on the checkpoint thread), evaluation within its time budget, the
-        metrics record and the status line; DHT upkeep on the housekeeping thread. ``stepped``: an
-        outer step moved θ_global (its digest, begun by :meth:`_start_digest`, marks that step)."""
+        metrics record and the status line; DHT upkeep on the housekeeping thread."""
         self._save_checkpoint_in_background()
         if not self.client_mode:
             self.averager.state_sharing_priority = self._donor_priority()
         self._evaluate(force=0 < self.cfg.max_outer_steps <= self.outer_step)
-        if stepped:
-            self.stats.theta_marks.append((self.outer_step, self._global_digest()))
         self.metrics.write({**self._round_record(handoff, outcome, round_step),
                             "applied_at_inner_step": during_inner_step, "late": late})
         self._housekeeping.submit(self._dht_upkeep)
@@ -951,7 +932,6 @@ class Node(Startup, StateSync, Mixing):
         self._housekeeping.close()
         self._reconnect.close()
         self._checkpoints.close()  # the queued checkpoint write still runs
-        self._digests.close()
         if self._last_checkpoint is not None:
             with contextlib.suppress(Exception):
                 self._last_checkpoint.result(timeout=CHECKPOINT_WRITE_TIMEOUT_S)
@@ -1002,7 +982,6 @@ class Node(Startup, StateSync, Mixing):
         self._housekeeping.close()
         self._reconnect.close()
         self._checkpoints.close()
-        self._digests.close()
         if self.records is not None:
             self.records.stop(remove=False)
         for part in (self.averager, self.dht):
