@@ -103,3 +103,42 @@ def test_every_tensor_of_the_average_arrives_under_the_rounds_token_with_the_ver
                 assert torch.equal(averager.peek(i, token), value)  # the preview is the verified average
             assert averager.peek(0, token + 1) is None  # another round's token reads nothing
             assert averager.begin_arrivals() == token + 1 and averager.arrived() == (token + 1, 0)
+
+
+@pytest.mark.timeout(240)
+def test_a_member_a_step_behind_and_one_at_the_newest_step_never_average_in_a_swarm_of_three():
+    # The fault-free 3-peer split (docs/architecture.md): peer 0 a step behind met peer 1's round and,
+    # next, peer 2's, and two verified averages made two θ_global of one outer step. Every member reads
+    # the same gathered steps and refuses that group before any part moves; hivemind's matchmaking
+    # then retries within the window, and the round forms once peer 2 (at the newest step) is in.
+    with _averagers("step-quorum", 3, (False, False, False)) as averagers:
+        results: list = [None] * 3
+
+        def run(i: int, step: int, timeout: float) -> None:
+            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={"outer_step": step}, timeout=timeout,
+                                              scheduled_time=time.time(), online_peers=3, group_size=3)[0]
+
+        pair = [threading.Thread(target=run, args=(i, step, 8.0), daemon=True) for i, step in ((0, 3), (1, 4))]
+        for t in pair:
+            t.start()
+        for t in pair:
+            t.join(timeout=60.0)
+        assert all(r is not None for r in results[:2]), "a round did not end"
+        assert not any(r.ok for r in results[:2]), [(r.group_size, r.reason) for r in results[:2]]
+        assert all("may advance" in r.reason for r in results[:2]), [r.reason for r in results[:2]]
+
+        # the same pair, and peer 2 at the newest step joining 3 s later: a round forms with peer 2 in it
+        results = [None] * 3
+        threads = [threading.Thread(target=run, args=(i, step, 30.0), daemon=True) for i, step in ((0, 3), (1, 4))]
+        for t in threads:
+            t.start()
+        time.sleep(3.0)
+        threads.append(threading.Thread(target=run, args=(2, 4, 30.0), daemon=True))
+        threads[-1].start()
+        for t in threads:
+            t.join(timeout=90.0)
+        assert all(r is not None for r in results), "a round did not end"
+        kept = [r for r in results if r.ok]
+        assert len(kept) >= 2 and len({r.digest for r in kept}) == 1, [(r.group_size, r.reason) for r in results]
+        for r in kept:  # every kept round holds both peers at the newest step
+            assert {averagers[1].peer_id.to_base58(), averagers[2].peer_id.to_base58()} <= set(r.group_peer_ids), r

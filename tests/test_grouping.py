@@ -118,6 +118,41 @@ def test_majority_quorum_forbids_two_groups_in_one_round():
     assert majority_quorum(10, max_group_size=4) == 2
 
 
+def test_a_member_behind_does_not_make_up_a_majority_for_the_newest_step():
+    """The fault-free 3-peer split (docs/architecture.md, Known limits): a peer a step behind met one
+    peer's round, then the other's, and the two pairs each made their own θ_global of one outer step."""
+    from diloco_swarm.averaging.grouping import step_quorum_problem
+
+    assert step_quorum_problem([3, 4], online=3) is not None  # d1 behind + d2: d3 could advance step 4 too
+    assert step_quorum_problem([4, 4], online=3) is None
+    assert step_quorum_problem([3, 4, 4], online=3) is None  # the behind member joins the majority's round
+    assert step_quorum_problem([3, 4], online=2) is None  # two peers a step apart: nobody else can advance 4
+    assert step_quorum_problem([4, 4, 3], online=4) is None  # the 4th peer alone cannot advance step 4
+    assert step_quorum_problem([4, 3], online=4) is not None
+    assert step_quorum_problem([4, 4], online=4) is not None  # as majority_quorum: 2 of 4 is not a majority
+    assert step_quorum_problem([9, 4, 4], online=3) is None  # a claim far ahead does not block the honest majority
+    assert step_quorum_problem([9, 4], online=3) is not None
+    assert step_quorum_problem(["4", None, True, -1], online=3) is not None  # untrusted claims count for nothing
+    assert step_quorum_problem([4, "x", 4], online=3) is None
+
+
+@pytest.mark.parametrize("online", range(2, 9))
+def test_two_disjoint_groups_never_advance_the_same_step(online):
+    """Exhaustively for small swarms: no two disjoint groups that pass the rule both advance step s."""
+    import itertools
+
+    from diloco_swarm.averaging.grouping import step_quorum_problem
+
+    for steps in itertools.product((0, 1), repeat=online):  # each peer at step 0 or 1
+        peers = range(online)
+        for mask in itertools.product((0, 1, 2), repeat=online):  # 0: outside, 1: group A, 2: group B
+            a = [steps[p] for p in peers if mask[p] == 1]
+            b = [steps[p] for p in peers if mask[p] == 2]
+            if len(a) >= 2 and len(b) >= 2 and step_quorum_problem(a, online) is None \
+                    and step_quorum_problem(b, online) is None:
+                assert max(a) != max(b), (steps, mask)
+
+
 @pytest.mark.parametrize("n,cap", [(8, 4), (6, 2), (8, 2), (9, 4), (12, 4), (5, 2)])
 def test_groups_are_whole_lines_that_cross_from_round_to_round(n, cap):
     """Consecutive rounds group along crossing lines: no two peers meet in two rounds in a row (a full

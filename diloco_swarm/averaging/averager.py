@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.control import AveragingStage
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
@@ -48,7 +48,7 @@ from diloco_swarm.averaging.allreduce import (
 )
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S, FAILED_MARK, OutcomeBoard, ask_outcomes, valid_outcome
-from diloco_swarm.averaging.grouping import majority_quorum
+from diloco_swarm.averaging.grouping import majority_quorum, step_quorum_problem
 from diloco_swarm.averaging.mixing import mixing_group_id
 from diloco_swarm.averaging.reachability import Responder
 from diloco_swarm.dht.calls import ChildGone, ChildUnavailable, bounded, dht_get, dht_store
@@ -59,9 +59,10 @@ logger = get_logger(__name__)
 
 class _QuietExpectedFailures(logging.Filter):
     """hivemind logs a full traceback at ERROR when no group formed, and when a stop ends an all-reduce
-    in flight; we report solo and abandoned rounds ourselves."""
+    in flight, and a warning at each group we refuse (``_group_problem``); we report solo, abandoned
+    and refused rounds ourselves."""
 
-    EXPECTED = ("could not find a group", "All-reduce was terminated during iteration")
+    EXPECTED = ("could not find a group", "All-reduce was terminated during iteration", "may not advance")
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(text in record.getMessage() for text in self.EXPECTED)
@@ -81,6 +82,7 @@ LATE_MEMBER_PROBE_EVERY_S = 0.5  # how often a group still forming past its memb
 GoneProbe = Callable[[Sequence[str]], set]  # gone(peer ids) -> those of them whose process is gone
 RECENT_GROUPS = 8  # rounds whose group may still run its θ-mixing all-reduce (averaging/mixing.py)
 MIX_START_WAIT_S = DIGEST_WAIT_S + 15.0  # a member's mix request waits this long for our own mix to start
+REFUSED_GROUP_PAUSE_S = 1.0  # after a group that may not advance: the same members would meet again at once
 
 COMPRESSIONS: dict[str, type[CompressionBase]] = {
     "int8": Int8BlockwiseCodec,
@@ -184,6 +186,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self._state_provider = state_provider
         self._banned_peers: set[str] = set()  # lives in the averager process
         self._avoided_peers: dict[str, float] = {}  # peer id -> time.monotonic() until which we avoid it
+        self._refused_group: str | None = None  # why the last group of the step in flight was refused
         self._refusals: dict[str, list[float]] = {}  # peer id -> when it refused our valid part (monotonic)
         self._reachability = Responder()  # answers dial-back checks (public peers only)
         self._outcomes = OutcomeBoard()  # our outcomes of recent rounds, asked by their members (confirm.py)
@@ -284,6 +287,14 @@ class PseudoGradientAverager(DecentralizedAverager):
         stats.failed_values = runner.tensor_part_container.failed_size
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+        problem = self._group_problem(group_info)
+        if problem is not None:  # every member reads the same gathered bytes: all refuse alike, before any part moves
+            future = self._running_groups.get(group_info.group_id)
+            if future is not None and not future.done():
+                future.cancel()  # a part request already waiting on the group ends
+            await asyncio.sleep(REFUSED_GROUP_PAUSE_S)
+            self._refused_group = problem
+            raise AllreduceException(f"the group may not advance: {problem}")  # hivemind retries within the window
         self._recent_groups[group_info.group_id] = group_info  # its θ-mixing all-reduce may follow
         while len(self._recent_groups) > RECENT_GROUPS:
             del self._recent_groups[next(iter(self._recent_groups))]
@@ -294,6 +305,26 @@ class PseudoGradientAverager(DecentralizedAverager):
             self._round_stats.clear()
             self._judge_members(stats)
         return {"gathered": gathered, "stats": dataclasses.asdict(stats)}
+
+    def _group_problem(self, group_info) -> str | None:
+        """Why this whole-swarm group must not run its round (``grouping.step_quorum_problem`` of the
+        members' gathered outer steps, with the upper median of their online-peer counts), or None.
+        Grid groups (group bits set), swarms beyond one group and rounds without counts are not judged."""
+        try:
+            metas = [self.serializer.loads(self.serializer.loads(g)[2]) for g in group_info.gathered]
+        except Exception:
+            return None  # hivemind's own parse of the same bytes fails the round just after
+        metas = [m if isinstance(m, dict) else {} for m in metas]
+        if any(m.get("group_bits") for m in metas):
+            return None
+        claims = sorted(o for o in (m.get("online_peers") for m in metas)
+                        if isinstance(o, int) and not isinstance(o, bool) and o >= 1)
+        if not claims:
+            return None
+        online = max(len(metas), claims[len(claims) // 2])
+        if online > self._default_target_group_size:
+            return None
+        return step_quorum_problem([m.get("outer_step") for m in metas], online)
 
     def _judge_members(self, stats: RoundStats) -> None:
         """Ban or avoid the members whose conduct in a finished all-reduce showed them hostile."""
@@ -398,6 +429,15 @@ class PseudoGradientAverager(DecentralizedAverager):
             matchmaking._request_join_group = _request_join_group
             matchmaking.group_key_manager.update_key_on_group_assembled = keep_our_key
             matchmaking._skips_avoided_leaders = True
+        self._refused_group = None
+        set_exception = step.set_exception
+
+        def explain_refusals(e):  # a round that ends without a group after refusing one says why
+            if self._refused_group is not None and "could not find a group" in str(e):
+                e = AllreduceException(f"no group that may advance formed (the last one refused: {self._refused_group})")
+            return set_exception(e)
+
+        step.set_exception = explain_refusals
         return await super()._step(step=step, future_for_init=future_for_init)
 
     def _round_settings(self, step) -> tuple[str, int, int | None]:
