@@ -175,6 +175,7 @@ class Node(Startup, StateSync, Mixing):
         self._recent_peers: dict[str, tuple[float, list[str]]] = {}  # full peer id -> (time.monotonic() read, its maddrs)
         self._last_reconnect = 0.0  # time.monotonic() of the last ReconnectPeers pass
         self._reconnecting = None  # its future: one pass at a time
+        self._unreachable_said = 0  # peers the last ReconnectPeers pass could not reach, as last logged
         self.history = ThetaHistory(self._history_floor)
         self._last_eval_s = 0.0  # seconds the last held-out evaluation took (prices the next one)
         self._carried: Carried | None = None  # late rounds whose Δ θ_local still holds (outer_sync.hold)
@@ -855,10 +856,16 @@ class Node(Startup, StateSync, Mixing):
     def _reconnect_peers(self, peers: dict[str, list[str]]) -> None:
         """Reconnect thread (a dead peer's dial takes seconds): put the peers whose records we read
         lately back into the DHT's routing table if it dropped them (node/redial.py)."""
-        _, answered = reconnect_peers(self.dht, peers, stop=self.stop.event)
+        missing, answered = reconnect_peers(self.dht, peers, stop=self.stop.event)
         if answered:
             self.status.log(f"the DHT had dropped {answered} live peer{'s' if answered != 1 else ''} of the swarm "
                             "(calls to them timed out); they are back in its routing table")
+        unreachable = missing - answered
+        if unreachable != self._unreachable_said:  # said once per change: a split view of the swarm shows in the log
+            self._unreachable_said = unreachable
+            if unreachable:
+                self.status.log(f"{unreachable} of the {len(peers)} peers whose records we read lately are not in the "
+                                "DHT's routing table and did not answer a dial (gone, or unreachable from here)")
 
     def _silent_s(self, peer: str, now: float) -> float:
         """Seconds (``time.monotonic``) since we first read the record of ``peer`` that we read last."""
