@@ -142,3 +142,37 @@ def test_a_member_a_step_behind_and_one_at_the_newest_step_never_average_in_a_sw
         assert len(kept) >= 2 and len({r.digest for r in kept}) == 1, [(r.group_size, r.reason) for r in results]
         for r in kept:  # every kept round holds both peers at the newest step
             assert {averagers[1].peer_id.to_base58(), averagers[2].peer_id.to_base58()} <= set(r.group_peer_ids), r
+
+
+@pytest.mark.timeout(180)
+def test_a_late_member_whose_planned_group_already_averaged_stops_waiting_for_it():
+    # bench scale, groups of 4: peers 1 and 2 counted peer 0 late and averaged as a pair; peer 0's own
+    # plan still held them, and it waited out its whole 30 s window for a group that had run (then the
+    # next round's partner waited out its window for peer 0). Their records show a later outer step:
+    # peer 0 must stop waiting for them and carry its Δ into the next round.
+    window_s = 60.0
+    with _averagers("moved-on", 3, (False, False, False)) as averagers:
+        ids = [a.peer_id.to_base58() for a in averagers]
+        results: list = [None] * 3
+        finished: set[str] = set()
+
+        def on_time(i: int) -> None:
+            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={"outer_step": 4}, timeout=30.0,
+                                              scheduled_time=time.time(), online_peers=3, group_size=2,
+                                              members=[ids[1 - i]], members_due=time.time())[0]
+            finished.add(ids[i])
+
+        pair = [threading.Thread(target=on_time, args=(i,), daemon=True) for i in (0, 1)]
+        for t in pair:
+            t.start()
+        for t in pair:
+            t.join(timeout=60.0)
+        assert all(r is not None and r.ok and r.group_size == 2 for r in results[:2]), results[:2]
+
+        started = time.time()
+        late = averagers[2].average(_delta(2), weight=100.0, metadata={"outer_step": 4}, timeout=window_s,
+                                    scheduled_time=started + 0.9 * window_s, online_peers=3, group_size=3,
+                                    members=ids[:2], members_due=started, gone=lambda peers: set(),
+                                    moved_on=lambda peers: {p for p in peers if p in finished})[0]
+        assert not late.ok and late.reason == "the other planned members averaged without us (we were late)", late
+        assert time.time() - started < 15.0, "the late member waited for a group that had already averaged"

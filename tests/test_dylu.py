@@ -63,3 +63,22 @@ def test_a_record_that_stops_changing_counts_as_silent_from_the_first_read_of_it
     p._note_swarm({"b": rec(9.0)})  # a's record expired from the DHT: still silent since the first read
     assert p._heard["a"][1] == t_first and p._silent_s("a", t_first + 12.0) == 12.0
     assert "a" in p._recent_peers  # gone from the read, still pinged for a while: the DHT may have dropped it
+
+
+def test_a_late_round_counts_as_moved_on_only_the_members_past_its_round():
+    # Node._moved_on: a member whose record shows an outer step past the round averaged it without us.
+    # One at the round's step may still come (a behind peer's round is the swarm's, not its own step).
+    p = Node.__new__(Node)
+    steps = {"ahead": 6, "in-round": 5, "behind": 4}
+    reads = []
+    p._moved_on_read = (float("-inf"), {})
+    p._read_records = lambda: reads.append(1) or {k: SimpleNamespace(outer_step=s) for k, s in steps.items()}
+    assert p._moved_on(["ahead", "in-round", "behind", "unknown"], round_no=5) == {"ahead"}
+    assert p._moved_on(["ahead", "in-round"], round_no=4) == {"ahead", "in-round"}
+    assert len(reads) == 1  # read at most every MOVED_ON_READ_EVERY_S
+
+    def fail():
+        raise TimeoutError("the DHT did not answer")
+
+    p._moved_on_read, p._read_records = (float("-inf"), {}), fail
+    assert p._moved_on(["ahead"], round_no=5) == set()  # a failed read finds nobody

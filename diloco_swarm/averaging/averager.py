@@ -79,7 +79,7 @@ AVERAGER_START_TIMEOUT_S = 120.0  # fork, replicate the DHT's libp2p client, reg
 INBAND_GRACE_S = 1.0  # members' in-band answers usually arrive within this; the DHT copies are read after it
 GONE_PROBE_EVERY_S = 2.0  # how often a cross-check asks whether its silent members are gone (each ask: a DHT ping)
 LATE_MEMBER_PROBE_EVERY_S = 0.5  # how often a group still forming past its members' due time asks which are gone
-GoneProbe = Callable[[Sequence[str]], set]  # gone(peer ids) -> those of them whose process is gone
+GoneProbe = Callable[[Sequence[str]], set]  # probe(peer ids) -> those of them it finds (gone, or moved on); never raises
 RECENT_GROUPS = 8  # rounds whose group may still run its θ-mixing all-reduce (averaging/mixing.py)
 MIX_START_WAIT_S = DIGEST_WAIT_S + 15.0  # a member's mix request waits this long for our own mix to start
 REFUSED_GROUP_PAUSE_S = 1.0  # after a group that may not advance: the same members would meet again at once
@@ -614,6 +614,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         gone: GoneProbe | None = None,
         members: Sequence[str] = (),
         members_due: float | None = None,
+        moved_on: GoneProbe | None = None,
     ) -> tuple[RoundResult, list[torch.Tensor]]:
         """Average ``delta`` with a group of peers; return the verified result.
 
@@ -646,6 +647,9 @@ class PseudoGradientAverager(DecentralizedAverager):
             gone are asked for (``gone``) and taken off the target size (:meth:`_drop_members`): a
             member killed after the round was planned no longer holds the others until
             ``scheduled_time``; when none is left, the round ends at once (solo, not ``ok``).
+        :param moved_on: ``moved_on(peer_ids)`` returns those that finished this round without us (their
+            records show a later outer step: they averaged before we arrived); asked with ``gone``, and
+            those are dropped alike, so a late peer stops waiting for a group that already ran.
         :returns: the round's result and the Δ to apply: the group's average when ``ok``,
             else a copy of ``delta``.
         """
@@ -672,7 +676,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             # hivemind bounds the step in the averager process; this bounds our wait if that process dies
             deadline = time.monotonic() + timeout + self._allreduce_timeout_s + 30.0
             late = _LateMembers(members, members_due, group_size or self._default_target_group_size,
-                                gone if members_due is not None else None)
+                                gone if members_due is not None else None, moved_on)
             while True:
                 try:
                     control = control.result(timeout=0.25)
@@ -692,7 +696,9 @@ class PseudoGradientAverager(DecentralizedAverager):
                     if control.stage in _STILL_LOOKING and late.drop_gone():
                         if late.size < 2:  # nobody planned is left to average with: do not wait out the window
                             control.cancel()
-                            return self._solo(started, reason="the other planned members are gone"), local
+                            why = ("the other planned members averaged without us (we were late)" if late.moved
+                                   else "the other planned members are gone")
+                            return self._solo(started, reason=why), local
                         self._drop_members(late.size)
         except Exception as e:  # no group in the window, or the all-reduce failed outright
             return self._solo(started, reason=_short_reason(e)), local
@@ -942,25 +948,31 @@ class PseudoGradientAverager(DecentralizedAverager):
 
 class _LateMembers:
     """The planned members of a forming group that have not made it by their due time: which are gone
-    (asked through ``gone`` at most every :data:`LATE_MEMBER_PROBE_EVERY_S`), and the group's size
-    without them (``size``, this peer included). With no ``gone`` or no due time it never asks."""
+    or moved on (asked through ``gone`` and ``moved_on`` at most every :data:`LATE_MEMBER_PROBE_EVERY_S`),
+    and the group's size without them (``size``, this peer included). With no ``gone`` or no due time
+    it never asks."""
 
-    def __init__(self, members: Sequence[str], due: float | None, size: int, gone: GoneProbe | None):
-        self.members, self.size, self.gone = list(members), size, gone
+    def __init__(self, members: Sequence[str], due: float | None, size: int, gone: GoneProbe | None,
+                 moved_on: GoneProbe | None = None):
+        self.members, self.size, self.gone, self.moved_on = list(members), size, gone, moved_on
         self.lost: set[str] = set()
+        self.moved: set[str] = set()  # of ``lost``: those that finished the round without us
         self._next = due if due is not None else math.inf  # (unix s) the first ask
 
     def drop_gone(self) -> bool:
-        """Ask once it is time; :returns: whether members were found gone since the last ask."""
+        """Ask once it is time; :returns: whether members were found gone or moved on since the last ask."""
         if self.gone is None or time.time() < self._next:
             return False
         left = [p for p in self.members if p not in self.lost]
         found = self.gone(left) & set(left) if left else set()
+        rest = [p for p in left if p not in found]
+        moved = self.moved_on(rest) & set(rest) if rest and self.moved_on is not None else set()
         self._next = time.time() + LATE_MEMBER_PROBE_EVERY_S
-        if not found:
+        if not found and not moved:
             return False
-        self.lost |= found
-        self.size -= len(found)
+        self.lost |= found | moved
+        self.moved |= moved
+        self.size -= len(found) + len(moved)
         return True
 
 

@@ -56,6 +56,7 @@ SWARM_REFRESH_S = 5.0  # a phase planned before we knew our speed re-reads the s
 MAX_CARRIED_ROUNDS = 2  # a peer late this many rounds in a row applies its carried Δ alone (bounded staleness)
 GRID_DIMS_GUESS = 3  # with --target-group-size set, keep mixing references for a grid this deep until one is planned
 SILENT_RECORDS = 2  # a peer whose record missed this many re-signing periods (as we read it) crashed
+MOVED_ON_READ_EVERY_S = 2.0  # a late round reads the records this often to see whether its group ran without it
 GRID_MEMORY_S = 20.0  # a peer whose record a read missed stays in the round's grid this long (a partial read under load)
 HEARD_MEMORY_S = 120.0  # how long we remember when a peer's record last changed
 
@@ -175,6 +176,7 @@ class Node(Startup, StateSync, Mixing):
         self._recent_peers: dict[str, tuple[float, list[str]]] = {}  # full peer id -> (time.monotonic() read, its maddrs)
         self._last_reconnect = 0.0  # time.monotonic() of the last ReconnectPeers pass
         self._reconnecting = None  # its future: one pass at a time
+        self._moved_on_read: tuple[float, dict[str, Any]] = (float("-inf"), {})  # (time.monotonic(), records) of _moved_on
         self._unreachable_said = 0  # peers the last ReconnectPeers pass could not reach, as last logged
         self.history = ThetaHistory(self._history_floor)
         self._last_eval_s = 0.0  # seconds the last held-out evaluation took (prices the next one)
@@ -551,7 +553,8 @@ class Node(Startup, StateSync, Mixing):
             timeout=self.cfg.averaging_window, stop=control.stop, give_up=control.give_up, digest_wait=DIGEST_WAIT_S,
             scheduled_time=start, online_peers=len((set(records) | {self.peer_id}) - gone),
             group_bits=group_bits(key) if grid else "", group_size=max(2, len(members)), gone=self._gone_members,
-            members=[p for p in members if p != self.peer_id], members_due=due)
+            members=[p for p in members if p != self.peer_id], members_due=due,
+            moved_on=lambda peers: self._moved_on(peers, plan.round_no))
         return result, average, not others, key if grid else ""
 
     def _gone_members(self, peers: Sequence[str]) -> set[str]:
@@ -562,6 +565,20 @@ class Node(Startup, StateSync, Mixing):
         seen = self._grid_records  # peer id -> (when read, its record): the records _plan_round read
         askable = [p for p in peers if p in seen and seen[p][1].reachability != "client"]
         return gone_peers(self.dht, askable, stop=self.stop.event, banned_is_gone=False)
+
+    def _moved_on(self, peers: Sequence[str], round_no: int) -> set[str]:
+        """Those of a forming round's late ``peers`` whose records show an outer step past ``round_no``:
+        they averaged it before we arrived (our plan counted them in, theirs counted us late), so the
+        round stops waiting for them and our Δ goes into the next round. Reads the records at most every
+        :data:`MOVED_ON_READ_EVERY_S`; never raises (a failed read finds nobody)."""
+        now = time.monotonic()
+        if now - self._moved_on_read[0] >= MOVED_ON_READ_EVERY_S:
+            try:
+                self._moved_on_read = (now, self._read_records())
+            except Exception:
+                self._moved_on_read = (now, {})
+        records = self._moved_on_read[1]
+        return {p for p in peers if p in records and records[p].outer_step > round_no}
 
     def _read_records(self) -> dict[str, Any]:
         """The run's signed peer records, read once per round (dht/records.py).
