@@ -80,6 +80,9 @@ def _cases(root, busy_port):
         "run-id-brackets": (["--run-id", "run[b]x[/]"], ["'run[b]x[/]'"]),
         "inner-lr-negative": (["--inner-lr", "-0.1"], ["--inner-lr"]),
         "option-unknown": (["--inner-step", "5"], ["--inner-step"]),
+        # terabytes of batches: numpy's allocation error, said in one line with the flags to lower
+        "batch-size-beyond-memory": (["--batch-size", "100000000000"],
+                                     ["Unable to allocate", "lower --batch-size (100000000000)"]),
     }
 
 
@@ -144,6 +147,7 @@ CASE_NAMES = [
     "inner-lr-negative",
     "option-unknown",
     "peers-wrong-id",
+    "batch-size-beyond-memory",
 ]
 
 

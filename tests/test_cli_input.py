@@ -64,6 +64,8 @@ CASES = {
     "host-not-an-ip": (["--host", "my-laptop"], ["--host", "'my-laptop'", "not an IP address"]),
     "dataset-missing": (["--dataset", "{tmp}/no-such-file.txt"], ["no-such-file.txt", "does not exist"]),
     "dataset-empty-folder": (["--dataset", "{tmp}/empty"], ["empty", "contains no files"]),
+    "dataset-not-a-file": (["--dataset", "/dev/null"], ["'/dev/null' is not a regular file or a folder"]),
+    "threads-huge": (["--threads", "100000"], ["--threads", "less than or equal to 256"]),
     "dataset-glob-no-match": (["--dataset", "{tmp}/*.nothing"], ["*.nothing", "matched no files"]),
     "metrics-file-folder": (["--metrics-file", "{tmp}/empty"], ["--metrics-file ", "empty: is a directory"]),
     "tokenizer-missing": (["--model", "llama-tiny", "--tokenizer", "/no-such-tokenizer"],

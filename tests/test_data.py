@@ -117,6 +117,18 @@ def test_max_bytes_cuts_the_last_file(tmp_path):
     assert corpus.train.tobytes() == b"A" * 100 + b"\n" + b"B" * 100
 
 
+def test_max_bytes_beyond_any_file_reads_them_whole(tmp_path):
+    # --max-dataset-bytes 1e23 raised OverflowError from file.read (an index-sized integer)
+    files = {f"f{i}.txt": bytes([65 + i]) * 100 for i in range(3)}
+    corpus = load_corpus(str(_write_tree(tmp_path, files)), max_bytes=10**23)
+    assert corpus.n_files == 3 and len(corpus.train) + len(corpus.held_out) >= 300
+
+
+def test_a_path_that_is_no_file_or_folder_says_so(tmp_path):
+    with pytest.raises(DatasetError, match="is not a regular file or a folder"):
+        load_corpus("/dev/null")
+
+
 def test_description_ignores_absolute_location(tmp_path):
     files = _text_files()
     a = load_corpus(str(_write_tree(tmp_path / "machine_a" / "corpus", files)))

@@ -74,6 +74,7 @@ class Compression(str, Enum):
     fp32 = "fp32"
 
 
+MAX_THREADS = 256  # --threads: far beyond any CPU node; 100,000 made the OpenMP pool exhaust memory
 MAX_NAME = 64  # = dht/records.py MAX_NAME (not imported here: it loads hivemind)
 FAULT_NAMES = ("", "nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part", "lonely", "disk-full")  # = node/faults.py FAULTS
 
@@ -154,7 +155,7 @@ def join(
     seed: Annotated[int, typer.Option(min=0, help="Seed of the initial weights (shared) and of each peer's data order (mixed with its peer id).", rich_help_panel=TRAINING)] = 0,
     batch_size: Annotated[int, typer.Option(min=1, help="Sequences per inner step on this node.", rich_help_panel=LOCAL)] = 16,
     device: Annotated[Device, typer.Option(help="Where the inner steps run; auto = cuda, else mps, else cpu. CUDA trains in bf16 autocast.", rich_help_panel=LOCAL)] = Device.auto,
-    threads: Annotated[int, typer.Option(min=0, help="PyTorch CPU threads (0 = PyTorch's default). Use 1 when several nodes share a small CPU.", rich_help_panel=LOCAL)] = 0,
+    threads: Annotated[int, typer.Option(min=0, max=MAX_THREADS, help=f"PyTorch CPU threads (0 = PyTorch's default; at most {MAX_THREADS}). Use 1 when several nodes share a small CPU.", rich_help_panel=LOCAL)] = 0,
     max_outer_steps: Annotated[int, typer.Option(min=0, help="Stop once the outer step reaches this number: the swarm's absolute step (kept across restarts; a joiner syncs to the swarm's), not a count of steps for this run, so a node resumed at or past it trains no step. 0 = run until stopped.", rich_help_panel=LOCAL)] = 0,
     state_dir: Annotated[Path, typer.Option(help="Identity key, checkpoints and lock of this node. One node per state dir; restart with the same dir to resume.", rich_help_panel=LOCAL)] = Path("diloco-state"),
     metrics_file: Annotated[Optional[Path], typer.Option(help="Append JSON Lines metrics here (one object per outer step; see docs/metrics.md).", rich_help_panel=LOCAL)] = None,
@@ -308,6 +309,10 @@ def run_node(config) -> None:
         code = fail(str(e), EXIT_PART_LOST).exit_code
     except ChildUnavailable as e:  # during start-up
         code = fail(f"{e}; the node stopped before training. Start it again", EXIT_PART_LOST).exit_code
+    except MemoryError as e:  # numpy's and Python's allocation errors: the flags asked for more than this machine has
+        why = str(e).split(" for an array")[0] or "out of memory"
+        code = fail(f"{why}: lower --batch-size ({config.batch_size}), --seq-len ({config.spec.seq_len}) or the "
+                    "model size").exit_code
     except OSError as e:
         code = fail(f"{e.strerror or e}: {e.filename or ''}".rstrip(": ")).exit_code
     leave_now(code)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -170,7 +171,7 @@ def _read_files(files: list[tuple[str, str]], max_bytes: int | None) -> list[tup
         try:
             with open(full, "rb") as f:
                 # read at least the sniff window so the binary test ignores the cut
-                want = -1 if remaining is None else max(remaining, _BINARY_SNIFF_BYTES)
+                want = -1 if remaining is None or remaining >= sys.maxsize else max(remaining, _BINARY_SNIFF_BYTES)
                 data = f.read(want)
         except OSError as e:
             raise DatasetError(

@@ -65,6 +65,9 @@ def list_dataset_files(
                     f"dataset glob {label!r} matched no files; check the pattern "
                     f"(use '**' with a folder to search recursively)"
                 )
+        elif os.path.exists(path):  # a device, a FIFO, a socket
+            raise DatasetError(f"dataset path {label!r} is not a regular file or a folder; pass a text file, a folder "
+                               "or a glob pattern")
         else:
             raise DatasetError(
                 f"dataset path {label!r} does not exist; pass a text file, a folder or a glob "
