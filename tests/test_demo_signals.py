@@ -135,3 +135,27 @@ def test_demo_accepts_port_0_and_refuses_a_busy_port(tmp_path):
     help_text = subprocess.run([sys.executable, "-m", "diloco_swarm", "demo", "--help"], capture_output=True,
                                text=True, timeout=60, env={**os.environ, "COLUMNS": "200"}).stdout
     assert "0 = any free port" in help_text and "[0<=x<=65535]" in help_text
+
+
+def _metrics(path: Path, events: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return path
+
+
+def test_the_summary_says_whether_the_peers_ended_on_one_model(tmp_path):
+    # A newcomer's demo under load: peer 2, behind when the others reached the last step, finished
+    # alone on its own θ_global while the summary showed nothing amiss.
+    from diloco_swarm.cli.demo import summarize
+
+    def peer(i: int, last: str, adopted: str | None = None) -> Path:
+        events = [{"event": "outer_step", "outer_step": 1, "round_ok": True, "theta_digest": "a" * 16, "eval_loss": 5.0},
+                  {"event": "outer_step", "outer_step": 2, "round_ok": True, "theta_digest": last, "eval_loss": 4.0}]
+        if adopted:  # a state adopted after the last outer step is what the peer holds
+            events.append({"event": "state_sync", "outer_step": 3, "theta_digest": adopted})
+        return _metrics(tmp_path / f"p{i}.jsonl", events)
+
+    _, verdict = summarize([peer(0, "b" * 16), peer(1, "b" * 16), peer(2, "c" * 16, adopted="b" * 16)], [0, 0, 0])
+    assert verdict == "demo: all 3 peers hold the same θ_global"
+    table, verdict = summarize([peer(0, "b" * 16), peer(1, "b" * 16), peer(2, "c" * 16)], [0, 0, 0])
+    assert "2 different θ_global" in verdict and verdict.startswith("demo: warning:")
+    assert list(table.columns[2].cells) == ["2", "2", "2"] and list(table.columns[6].cells) == ["bbbbbbbb"] * 2 + ["cccccccc"]

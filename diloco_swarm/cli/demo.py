@@ -155,19 +155,40 @@ def run_demo(*, peers: int, outer_steps: int, inner_steps: int, port: int, workd
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
 
+    table, verdict = summarize(metrics, codes)
+    console.print(table)
+    if verdict:
+        say(console, verdict)
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+def summarize(metrics: list[Path], codes: list[int]) -> tuple[Table, str]:
+    """The demo's summary table from each peer's ``metrics.jsonl`` and exit code, and a line saying
+    whether the peers ended on one θ_global ("" when no digest was recorded)."""
     table = Table(title="demo summary")
-    for col in ("peer", "exit", "outer steps", "averaged rounds", "first eval loss", "last eval loss"):
+    for col in ("peer", "exit", "outer step reached", "averaged rounds", "first eval loss", "last eval loss",
+                "θ digest"):
         table.add_column(col)
+    digests = []
     for i, code in enumerate(codes):
         events = read_metrics(metrics[i])
         steps = [e for e in events if e.get("event") == "outer_step"]
         evals = [e["eval_loss"] for e in events if e.get("eval_loss") is not None]
+        # the last θ_global this peer held: after its last outer step, or a state it adopted since
+        held = [e for e in events if e.get("theta_digest") and e.get("event") in ("outer_step", "state_sync")]
+        digests.append(held[-1]["theta_digest"] if held else "")
+        reached = max((e.get("outer_step") or 0 for e in held), default=0)
         table.add_row(
-            str(i), str(code), str(len(steps)), str(sum(1 for e in steps if e["round_ok"])),
-            f"{evals[0]:.3f}" if evals else "-", f"{evals[-1]:.3f}" if evals else "-",
+            str(i), str(code), str(reached), str(sum(1 for e in steps if e["round_ok"])),
+            f"{evals[0]:.3f}" if evals else "-", f"{evals[-1]:.3f}" if evals else "-", digests[-1][:8] or "-",
         )
-    console.print(table)
-    return 0 if all(c == 0 for c in codes) else 1
+    lineages = len({d for d in digests if d})
+    if lineages == 1 and all(digests):
+        return table, f"demo: all {len(digests)} peers hold the same θ_global"
+    if lineages > 1:
+        return table, (f"demo: warning: the peers ended on {lineages} different θ_global: a peer still behind when the "
+                       "others reached the last outer step finished alone (docs/architecture.md, Known limits)")
+    return table, ""
 
 
 def _own_command() -> str:
