@@ -88,3 +88,25 @@ def test_a_client_is_never_asked_for_a_state_download():
     evidence = gather_evidence(entries, "L", 2, [])
     assert evidence.supported_step == 6
     assert set(evidence.donors_at(6)) == {"A", "B"}
+
+
+def test_only_a_peer_late_for_the_last_round_takes_the_swarms_final_state():
+    # Node._catch_up: one step behind is normal (the next round brings the peer along), except at the
+    # end of a planned run, where no next round comes: the peer would end alone on its own θ_global.
+    from diloco_swarm.node.runner import Node
+    from diloco_swarm.node.statesync import Evidence
+
+    p = Node.__new__(Node)
+    p.cfg = SimpleNamespace(max_outer_steps=4)
+    asked = []
+    p._download_state = lambda **kw: asked.append(kw) or "the final state"
+    swarm_at_4 = Evidence(supported_step=4, holders_by_step={4: {"x"}})
+    assert p._catch_up(3, swarm_at_4) is None  # its last round is still to run: it may be in it
+    assert p._catch_up(3, swarm_at_4, then=4) is None  # its verified last round brings it to the end too
+    assert p._catch_up(3, swarm_at_4, then=3) == "the final state"  # late for the last round
+    assert asked == [{"min_step": 4, "reason": "lagging", "candidates": ["x"]}]
+    p.cfg.max_outer_steps = 10
+    assert p._catch_up(3, swarm_at_4, then=3) is None  # not the end: it meets the next round
+    p.cfg.max_outer_steps = 0
+    assert p._catch_up(3, swarm_at_4, then=3) is None  # no planned end
+    assert p._catch_up(2, swarm_at_4) == "the final state"  # two steps behind: lagging, as before

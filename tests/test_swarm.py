@@ -173,3 +173,23 @@ def test_six_peers_in_groups_of_two_mix_into_one_model(tmp_path):
         published = {row["peer_id"]: {m["step"]: m["digest"] for m in row["theta_marks"]} for row in doc["peers"]}
         step = doc["summary"]["lineage"]["compared_step"]
         assert step is not None and doc["summary"]["lineages"] == len({m[step] for m in published.values() if step in m})
+
+
+@pytest.mark.timeout(420)
+def test_a_peer_late_for_the_last_round_ends_on_the_swarm_model(tmp_path):
+    # c holds back the Δ of its last phase (--fault late-end): a and b average the last round without
+    # it and finish. They wait for c (it is behind), c takes their state instead of applying its own
+    # Δ alone, and all three end the run on one θ_global. Before, c ended alone on a model of its own.
+    last = 4
+    with Swarm(tmp_path, "lateend", extra=["--max-outer-steps", str(last), "--wait-for-peers", "3"]) as swarm:
+        a = swarm.start("a")
+        b = swarm.start("b", initial=a, wait_start=False)
+        c = swarm.start("c", "--fault", "late-end", initial=a, wait_start=False)
+        for node in (a, b, c):
+            assert swarm.wait_exit(node, 300) == 0, node.output()[-3000:]
+        assert (c.state_dir / "late-end").exists()
+        assert [s for s in c.events("state_sync") if s["outer_step"] == last], c.output()[-3000:]
+        final = {n.name: theta_by_step(n).get(last) for n in (a, b, c)}
+        assert None not in final.values() and len(set(final.values())) == 1, final
+        assert any("still behind" in n.output() for n in (a, b)), a.output()[-2000:]
+        assert all(n.events("stop")[-1]["outer_step"] == last for n in (a, b, c))

@@ -76,7 +76,8 @@ class Compression(str, Enum):
 
 MAX_THREADS = 256  # --threads: far beyond any CPU node; 100,000 made the OpenMP pool exhaust memory
 MAX_NAME = 64  # = dht/records.py MAX_NAME (not imported here: it loads hivemind)
-FAULT_NAMES = ("", "nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part", "lonely", "disk-full")  # = node/faults.py FAULTS
+FAULT_NAMES = ("", "nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part", "lonely", "disk-full",
+               "late-end")  # = node/faults.py FAULTS
 
 
 class SyncMode(str, Enum):
@@ -377,7 +378,8 @@ def export(
     out: Annotated[Path, typer.Option(help="New folder to write the Hugging Face model into (must not exist, or be empty).")] = Path("diloco-export"),
 ) -> None:
     """Write θ_global of a node's checkpoint as a Hugging Face model folder (config.json, model.safetensors,
-    tokenizer files) that transformers.AutoModelForCausalLM.from_pretrained(OUT) loads."""
+    and the run's tokenizer files; a byte-level run has none: token id = byte value) that
+    transformers.AutoModelForCausalLM.from_pretrained(OUT) loads."""
     from diloco_swarm.node.checkpoint import CheckpointError
     from diloco_swarm.node.export import ExportError, export_model
 

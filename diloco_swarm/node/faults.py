@@ -20,6 +20,9 @@ all-reduce, and torchft's ``EventInjector`` injects failures from outside).
   a forged "newest state" that would make the others download its model.
 - ``disk-full``: every checkpoint write after the first :data:`DISK_FULL_AFTER` fails with ENOSPC
   (a state dir on a disk that fills up).
+- ``late-end``: this peer holds back the Δ of the last inner phase of its run (``--max-outer-steps``)
+  for :data:`LATE_END_S` before handing it off, touching ``state_dir/late-end`` when it starts: the
+  others finish the run without it (a peer late for the last round).
 - ``--slowdown F``: every inner step takes F times as long (a slower machine).
 """
 
@@ -36,13 +39,16 @@ import torch
 
 from diloco_swarm.node.runner import Node
 
-FAULTS = ("nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part", "lonely", "disk-full")
+FAULTS = ("nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part", "lonely", "disk-full",
+          "late-end")
 DISK_FULL_AFTER = 1
 HUGE_FACTOR = 1e6
 CLAIM_AHEAD_STEPS = 1000
 STALL_MARKER_NAME = "allreduce-stalled"
 WITHHOLD_MARKER_NAME = "digest-withheld"
 WITHHOLD_DIGEST_S = 10.0
+LATE_END_MARKER_NAME = "late-end"
+LATE_END_S = 20.0
 
 
 def node_type(fault: str, slowdown: float = 1.0) -> type[Node]:
@@ -58,7 +64,8 @@ def node_type(fault: str, slowdown: float = 1.0) -> type[Node]:
     bases += {"": [], "nan": [NonFiniteScalesNode], "huge": [HugeContributionNode],
               "stall-allreduce": [StallingNode], "claim-ahead": [ClaimAheadNode],
               "withhold-digest": [WithholdingNode],
-              "drop-part": [DroppingNode], "lonely": [LonelyNode], "disk-full": [DiskFullNode]}[fault]
+              "drop-part": [DroppingNode], "lonely": [LonelyNode], "disk-full": [DiskFullNode],
+              "late-end": [LateEndNode]}[fault]
     return type("FaultyNode", (*bases, Node), {}) if bases else Node
 
 
@@ -80,6 +87,14 @@ class DiskFullNode(Node):
             raise OSError(errno.ENOSPC, "No space left on device")
         super()._store_checkpoint(state)
         self._writes += 1
+
+
+class LateEndNode(Node):
+    def _hand_off(self, handoff) -> None:
+        if 0 < self.cfg.max_outer_steps <= handoff.outer_step + 1:  # the last phase of the run
+            (self.cfg.state_dir / LATE_END_MARKER_NAME).touch()
+            self.stop.event.wait(LATE_END_S)
+        super()._hand_off(handoff)
 
 
 class HugeContributionNode(Node):

@@ -209,6 +209,7 @@ class Node(Startup, StateSync, Mixing):
                         if trained:  # (reached before any training: _start said so)
                             self.status.log(f"outer step {self.outer_step} has reached --max-outer-steps "
                                             f"{self.cfg.max_outer_steps}; leaving")
+                        self._serve_peers_behind()  # a peer late for the last round takes our state
                         break
                     self._apply_round(wait=True)  # the last round: nothing left to overlap it with
                     continue
@@ -501,7 +502,7 @@ class Node(Startup, StateSync, Mixing):
             return outcome
         if not result.gathered:  # no group: if the others are far ahead, our next round could never meet theirs
             try:
-                outcome.state = self._catch_up(handoff.outer_step)
+                outcome.state = self._catch_up(handoff.outer_step, then=handoff.outer_step)
             except Exception as e:  # the DHT or averager did not answer: the next round tries again
                 self.status.log(f"could not compare our outer step with the swarm's: {e}")
             return outcome
@@ -537,6 +538,12 @@ class Node(Startup, StateSync, Mixing):
         others = bool(self.averager.donors()) or any(p != self.peer_id for p in records)
         if self.sync.overlap and not others:
             return RoundResult(ok=False, group_size=1, reason="no other peer online"), own, True, ""
+        limit = self.cfg.max_outer_steps
+        if 0 < limit and all(r.outer_step >= limit and r.phase_eta <= 0 for p, r in records.items() if p != self.peer_id) \
+                and any(p != self.peer_id for p in records):
+            # they finished the run without us and wait to serve their state (_serve_peers_behind): take it
+            return RoundResult(ok=False, group_size=1, reason="the other peers finished the run (--max-outer-steps) "
+                               "without us"), own, False, ""
         plan, due, gone = self._plan_round(handoff, records)
         if self.sync.overlap and gone and not (set(records) - gone - {self.peer_id}):
             # the only other peers crashed moments ago (their records outlive them): nobody to wait for
@@ -739,6 +746,7 @@ class Node(Startup, StateSync, Mixing):
         self.metrics.write({**self._round_record(handoff, outcome, round_step),
                             "applied_at_inner_step": during_inner_step, "late": late})
         self._housekeeping.submit(self._dht_upkeep)
+        self.stats.live["waiting"] = False  # the round is applied: the line must not say we wait for it
         self._status(force=True)
         for peer, why in outcome.result.rejected_peers.items():
             self.status.log(f"outer step {self.outer_step}: peer {peer} was left out of the round: {why}")

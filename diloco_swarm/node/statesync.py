@@ -28,6 +28,8 @@ MAX_DONOR_TRIES = 4
 STATE_CHUNK_TIMEOUT_S = 10.0
 EVIDENCE_QUORUM = 2  # distinct signing keys whose records must back a claim before a peer acts on it
 EVIDENCE_RETRY_S = 0.5  # a fresh round's output may take a moment to reach its members' records
+FINISH_LINGER_S = 120.0  # at --max-outer-steps, a node serves its state this long at most to peers still behind
+LINGER_POLL_S = 1.0  # ... and re-reads their records this often
 
 
 @dataclass
@@ -227,16 +229,52 @@ class StateSync:
                 if state is not None:
                     state.includes_round = True
                 return state
-        return self._catch_up(mine[0], evidence)
+        return self._catch_up(mine[0], evidence, then=mine[0] + int(applied))
 
-    def _catch_up(self, step: int, evidence: Evidence | None = None) -> "DownloadedState | None":
+    def _catch_up(self, step: int, evidence: Evidence | None = None, *,
+                  then: int | None = None) -> "DownloadedState | None":
         """The newest state the swarm's records back, downloaded, when it is more than one outer step
-        ahead of ``step`` (a lagging peer: its whole group, or its lone round, fell behind), else None."""
+        ahead of ``step`` (a lagging peer: its whole group, or its lone round, fell behind), else None.
+
+        ``then``: the outer step this peer holds once its round is applied, when the round has ended
+        (None while it is still to run). The swarm's state is then also taken when it has reached our
+        ``--max-outer-steps`` ahead of ``then``: a peer late for the last round has no next round to
+        meet the others in, and would end the run alone on its own θ_global (the finishers wait for it:
+        :meth:`_serve_peers_behind`)."""
         evidence = evidence or self._evidence()
         newest = evidence.supported_step
-        if newest > step + 1:
+        limit = self.cfg.max_outer_steps
+        at_end = then is not None and 0 < limit <= newest and newest > then
+        if newest > step + 1 or at_end:
             return self._download_state(min_step=newest, reason="lagging", candidates=evidence.donors_at(newest))
         return None
+
+    def _serve_peers_behind(self) -> None:
+        """At the planned end (``--max-outer-steps``), stay online while a peer of the run whose
+        record is live is behind our outer step, at most :data:`FINISH_LINGER_S`: it then downloads
+        our state (:meth:`_catch_up`) instead of ending the run alone on its own θ_global. Our record
+        says we train no more (``phase_eta`` 0), so no round waits for us. A client serves no state
+        (nobody can dial it) and leaves at once; so does a node asked to stop. A peer that crashed
+        holds us until its record expires (3 re-signing periods); one that left said goodbye."""
+        if self.client_mode or self.stop.requested:
+            return
+        self.stats.phase_eta = 0.0
+        self.records.publish_now()
+        deadline, said = time.monotonic() + FINISH_LINGER_S, False
+        while not self.stop.requested and time.monotonic() < deadline:
+            try:
+                records = self._read_records()
+            except Exception:  # the DHT did not answer: nobody can find us either
+                return
+            behind = sorted(r.outer_step for p, r in records.items() if p != self.peer_id and r.outer_step < self.outer_step)
+            if not behind:
+                return
+            if not said:
+                said = True
+                who = "1 peer is" if len(behind) == 1 else f"{len(behind)} peers are"
+                self.status.log(f"{who} still behind (outer step {behind[0]}): serving it this final state for up "
+                                f"to {FINISH_LINGER_S:.0f}s before leaving (Ctrl+C leaves now)")
+            self.stop.event.wait(LINGER_POLL_S)
 
     def _warn_unsupported(self, peer: str, step: int) -> None:
         """Name, once per peer, a peer that claims an outer step other peers' signed records do not back."""
