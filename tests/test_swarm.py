@@ -176,15 +176,18 @@ def test_six_peers_in_groups_of_two_mix_into_one_model(tmp_path):
 
 
 @pytest.mark.timeout(420)
-def test_a_peer_late_for_the_last_round_ends_on_the_swarm_model(tmp_path):
-    # c holds back the Δ of its last phase (--fault late-end): a and b average the last round without
-    # it and finish. They wait for c (it is behind), c takes their state instead of applying its own
-    # Δ alone, and all three end the run on one θ_global. Before, c ended alone on a model of its own.
+@pytest.mark.parametrize("fault", ["late-end", "late-before-end"])
+def test_a_peer_late_at_the_end_ends_on_the_swarm_model(tmp_path, fault):
+    # c holds back the Δ of its last phase (late-end: one round behind at the end) or of the one before
+    # (late-before-end: two behind) until a and b have finished the run without it. They wait for c
+    # (it is behind); c takes their state instead of applying its own Δ alone, and all three end on
+    # one θ_global (c used to end alone on a model of its own). A state adopted during c's next
+    # phase ends that phase: no round past the end (two peers of `bench scale` reached step 11 of 10).
     last = 4
     with Swarm(tmp_path, "lateend", extra=["--max-outer-steps", str(last), "--wait-for-peers", "3"]) as swarm:
         a = swarm.start("a")
         b = swarm.start("b", initial=a, wait_start=False)
-        c = swarm.start("c", "--fault", "late-end", initial=a, wait_start=False)
+        c = swarm.start("c", "--fault", fault, initial=a, wait_start=False)
         for node in (a, b, c):
             assert swarm.wait_exit(node, 300) == 0, node.output()[-3000:]
         assert (c.state_dir / "late-end").exists()
@@ -192,4 +195,6 @@ def test_a_peer_late_for_the_last_round_ends_on_the_swarm_model(tmp_path):
         final = {n.name: theta_by_step(n).get(last) for n in (a, b, c)}
         assert None not in final.values() and len(set(final.values())) == 1, final
         assert any("still behind" in n.output() for n in (a, b)), a.output()[-2000:]
-        assert all(n.events("stop")[-1]["outer_step"] == last for n in (a, b, c))
+        for node in (a, b, c):
+            assert node.events("stop")[-1]["outer_step"] == last
+            assert max(e["outer_step"] for e in node.events("averaging_start")) < last, node.name

@@ -77,7 +77,7 @@ class Compression(str, Enum):
 MAX_THREADS = 256  # --threads: far beyond any CPU node; 100,000 made the OpenMP pool exhaust memory
 MAX_NAME = 64  # = dht/records.py MAX_NAME (not imported here: it loads hivemind)
 FAULT_NAMES = ("", "nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part", "lonely", "disk-full",
-               "late-end")  # = node/faults.py FAULTS
+               "late-end", "late-before-end")  # = node/faults.py FAULTS
 
 
 class SyncMode(str, Enum):

@@ -21,8 +21,9 @@ all-reduce, and torchft's ``EventInjector`` injects failures from outside).
 - ``disk-full``: every checkpoint write after the first :data:`DISK_FULL_AFTER` fails with ENOSPC
   (a state dir on a disk that fills up).
 - ``late-end``: this peer holds back the Δ of the last inner phase of its run (``--max-outer-steps``)
-  for :data:`LATE_END_S` before handing it off, touching ``state_dir/late-end`` when it starts: the
-  others finish the run without it (a peer late for the last round).
+  until another peer's record shows the last outer step (at most :data:`LATE_END_S`), touching
+  ``state_dir/late-end`` when it starts: the others finish the run without it (a peer late for the
+  last round). ``late-before-end``: the same with the phase before the last (two rounds behind).
 - ``--slowdown F``: every inner step takes F times as long (a slower machine).
 """
 
@@ -40,7 +41,7 @@ import torch
 from diloco_swarm.node.runner import Node
 
 FAULTS = ("nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part", "lonely", "disk-full",
-          "late-end")
+          "late-end", "late-before-end")
 DISK_FULL_AFTER = 1
 HUGE_FACTOR = 1e6
 CLAIM_AHEAD_STEPS = 1000
@@ -48,7 +49,7 @@ STALL_MARKER_NAME = "allreduce-stalled"
 WITHHOLD_MARKER_NAME = "digest-withheld"
 WITHHOLD_DIGEST_S = 10.0
 LATE_END_MARKER_NAME = "late-end"
-LATE_END_S = 20.0
+LATE_END_S = 60.0
 
 
 def node_type(fault: str, slowdown: float = 1.0) -> type[Node]:
@@ -65,7 +66,7 @@ def node_type(fault: str, slowdown: float = 1.0) -> type[Node]:
               "stall-allreduce": [StallingNode], "claim-ahead": [ClaimAheadNode],
               "withhold-digest": [WithholdingNode],
               "drop-part": [DroppingNode], "lonely": [LonelyNode], "disk-full": [DiskFullNode],
-              "late-end": [LateEndNode]}[fault]
+              "late-end": [LateEndNode], "late-before-end": [LateBeforeEndNode]}[fault]
     return type("FaultyNode", (*bases, Node), {}) if bases else Node
 
 
@@ -90,11 +91,27 @@ class DiskFullNode(Node):
 
 
 class LateEndNode(Node):
+    rounds_before_end = 1  # hold the phase whose round would reach --max-outer-steps − this + 1
+    _held = False
+
     def _hand_off(self, handoff) -> None:
-        if 0 < self.cfg.max_outer_steps <= handoff.outer_step + 1:  # the last phase of the run
+        limit = self.cfg.max_outer_steps
+        if not self._held and 0 < limit <= handoff.outer_step + self.rounds_before_end:
+            self._held = True
             (self.cfg.state_dir / LATE_END_MARKER_NAME).touch()
-            self.stop.event.wait(LATE_END_S)
+            deadline = time.monotonic() + LATE_END_S
+            while time.monotonic() < deadline and not self.stop.requested:
+                try:
+                    if any(p != self.peer_id and r.outer_step >= limit for p, r in self._read_records().items()):
+                        break
+                except Exception:
+                    pass
+                self.stop.event.wait(0.5)
         super()._hand_off(handoff)
+
+
+class LateBeforeEndNode(LateEndNode):
+    rounds_before_end = 2
 
 
 class HugeContributionNode(Node):

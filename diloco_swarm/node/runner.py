@@ -214,9 +214,9 @@ class Node(Startup, StateSync, Mixing):
                     self._apply_round(wait=True)  # the last round: nothing left to overlap it with
                     continue
                 handoff = self._inner_phase()
-                if handoff is None:
-                    break  # stop requested mid-phase
                 trained = True
+                if handoff is None:
+                    continue  # stop requested mid-phase, or a state adopted in it reached --max-outer-steps
                 self._hand_off(handoff)
                 if not self.sync.overlap:
                     self._apply_round(wait=True)
@@ -318,7 +318,8 @@ class Node(Startup, StateSync, Mixing):
         ``max_inner_steps`` (Δ, and with it the outer step, grows with the steps behind it), and then
         waits for the round, which its own time bounds end (the averaging window, then the all-reduce
         and confirmation timeouts). Past those bounds plus a margin the round is given up.
-        :returns: the phase's hand-off, or None when a stop was requested (its steps are dropped).
+        :returns: the phase's hand-off, or None when a stop was requested or a round applied during the
+            phase reached ``--max-outer-steps`` (its steps are dropped).
         :raises Diverged: the pseudo-gradient is not finite.
         :raises NodeError: the averaging thread did not end a round long after its time bounds.
         """
@@ -356,6 +357,8 @@ class Node(Startup, StateSync, Mixing):
             if self.sync.done():
                 syncs = self.stats.state_syncs
                 self._apply_round(during_inner_step=steps)
+                if self._reached_max_outer_steps():
+                    break  # a state adopted with the round is at our planned end: nothing more to hand off
                 if self.stats.state_syncs != syncs:
                     # θ_local moved onto an adopted state with its progress: the phase now ends when the
                     # swarm's does (a full phase more would make us late for every round after)
@@ -386,6 +389,12 @@ class Node(Startup, StateSync, Mixing):
                         return None
                     break
         inner_s = self.stats.inner_s - inner_before
+        if self._reached_max_outer_steps():
+            # A round applied in this phase brought a state at or past --max-outer-steps (a peer behind the
+            # swarm at its end). Handing this phase off would average a round past the end (seen in `bench
+            # scale`: two peers reached outer step 11 of 10, and a third downloaded it).
+            self.stats.wasted_inner_s += inner_s
+            return None
         self.stats.inner_step_s = inner_s / steps
         self.stats.tokens_per_s = tokens / max(inner_s, 1e-9)
         self._status(inner_step=steps, phase_steps=target, loss=sum(losses[-20:]) / len(losses[-20:]),
