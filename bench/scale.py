@@ -26,7 +26,7 @@ Reported per configuration, from the nodes' metrics records (docs/metrics.md):
   and ``lagging`` downloads (joins excluded) against the *averaging bytes*, Σ ``bytes_received`` of
   every peer's ``outer_step`` records (both are bytes a peer downloaded);
 - *final held-out loss* of each peer (``eval_loss`` of its last record, taken at its last outer
-  step: the node always evaluates there), their spread max/min − 1, and the mean over the peers
+  step, the one it downloaded when its last round ended in a state sync: the node always evaluates there), their spread max/min − 1, and the mean over the peers
   ÷ the default configuration's mean.
 
 Targets (issue 13): default: one lineage at every outer step and no ``diverged`` download (a calm
@@ -147,7 +147,8 @@ def analyse(records_by_peer: list[list[dict[str, Any]]]) -> dict[str, Any]:
     finals = []
     for x in steps:
         end = x[-1] if x else {}
-        ok = end.get("eval_outer_step") == end.get("outer_step") and end.get("eval_loss") is not None
+        held = end.get("synced_to") or end.get("outer_step")  # a round that ended in a download: the state's step
+        ok = end.get("eval_outer_step") == held and end.get("eval_loss") is not None
         finals.append(end.get("eval_loss") if ok else None)
     losses = [v for v in finals if v is not None]
     return {
