@@ -209,6 +209,12 @@ class Node(Startup, StateSync, Mixing):
                         if trained:  # (reached before any training: _start said so)
                             self.status.log(f"outer step {self.outer_step} has reached --max-outer-steps "
                                             f"{self.cfg.max_outer_steps}; leaving")
+                        if trained and self._ended_alone and self._recent_peers:
+                            self.status.log(
+                                f"warning: the last round of this node ran alone (no other peer of run "
+                                f"'{self.spec.run_id}' was online), but it saw {len(self._recent_peers)} other peer(s) "
+                                "in the last 2 minutes: they may have ended on another θ_global (compare theta_digest "
+                                "in the metrics files). A peer back within ~15 s of the others' end takes their state")
                         self._serve_peers_behind()  # a peer late for the last round takes our state
                         break
                     self._apply_round(wait=True)  # the last round: nothing left to overlap it with
@@ -709,6 +715,7 @@ class Node(Startup, StateSync, Mixing):
             self.stats.averaging_s += time.monotonic() - t0  # time the training thread waited for the round
         result = outcome.result
         self.stats.count_round(result, mixing=outcome.mixing)
+        self._ended_alone = outcome.alone and outcome.state is None and outcome.mixed is None
         round_step = handoff.outer_step + 1
         # Our Δ is in the swarm's θ_global if a verified average that the swarm kept included it. It may
         # be when a member kept the round while we missed a confirmation (maybe_kept): carrying it then
@@ -992,6 +999,7 @@ class Node(Startup, StateSync, Mixing):
 
     # ------------------------------------------------------------------ supervision (node/watchdog.py, node/redial.py)
     lost: str | None = None  # set when a part of this node died: the node stops with PartLost (exit 3)
+    _ended_alone = False  # the last round applied was our own Δ alone (nobody online): said at the planned end
     watchdog = None
     _redial_known: list[str] = []
 

@@ -271,8 +271,8 @@ class StateSync:
                 return
             if not said:
                 said = True
-                who = "1 peer is" if len(behind) == 1 else f"{len(behind)} peers are"
-                self.status.log(f"{who} still behind (outer step {behind[0]}): serving it this final state for up "
+                who, it = ("1 peer is", "it") if len(behind) == 1 else (f"{len(behind)} peers are", "them")
+                self.status.log(f"{who} still behind (outer step {behind[0]}): serving {it} this final state for up "
                                 f"to {FINISH_LINGER_S:.0f}s before leaving (Ctrl+C leaves now)")
             self.stop.event.wait(LINGER_POLL_S)
 
