@@ -186,8 +186,8 @@ def summarize(metrics: list[Path], codes: list[int]) -> tuple[Table, str]:
     if lineages == 1 and all(digests):
         return table, f"demo: all {len(digests)} peers hold the same θ_global"
     if lineages > 1:
-        return table, (f"demo: warning: the peers ended on {lineages} different θ_global: a peer still behind when the "
-                       "others reached the last outer step finished alone (docs/architecture.md, Known limits)")
+        return table, (f"demo: warning: the peers ended on {lineages} different θ_global: a peer away for more than ~15 s "
+                       "when the others reached the last outer step finished alone (docs/architecture.md, Known limits)")
     return table, ""
 
 

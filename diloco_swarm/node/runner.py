@@ -550,12 +550,12 @@ class Node(Startup, StateSync, Mixing):
             return RoundResult(ok=False, group_size=1, reason="no public peer: every peer is a client"), own, True, ""
         records = self._read_records()
         self._note_swarm(records)  # fresh for the phase that follows this round (a re-sync aims at the swarm's hand-off)
-        others = bool(self.averager.donors()) or any(p != self.peer_id for p in records)
+        other_records = [r for p, r in records.items() if p != self.peer_id]
+        others = bool(self.averager.donors()) or bool(other_records)
         if self.sync.overlap and not others:
             return RoundResult(ok=False, group_size=1, reason="no other peer online"), own, True, ""
         limit = self.cfg.max_outer_steps
-        if 0 < limit and all(r.outer_step >= limit and r.phase_eta <= 0 for p, r in records.items() if p != self.peer_id) \
-                and any(p != self.peer_id for p in records):
+        if 0 < limit and other_records and all(r.outer_step >= limit and r.phase_eta <= 0 for r in other_records):
             # they finished the run without us and wait to serve their state (_serve_peers_behind): take it
             return RoundResult(ok=False, group_size=1, reason="the other peers finished the run (--max-outer-steps) "
                                "without us"), own, False, ""
