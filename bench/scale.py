@@ -145,11 +145,14 @@ def analyse(records_by_peer: list[list[dict[str, Any]]]) -> dict[str, Any]:
     resync = sync_bytes["diverged"] + sync_bytes["lagging"]
     received = sum(e.get("bytes_received") or 0 for x in steps for e in x)
     finals = []
-    for x in steps:
+    for x, recs in zip(steps, records_by_peer):
         end = x[-1] if x else {}
         held = end.get("synced_to") or end.get("outer_step")  # a round that ended in a download: the state's step
         ok = end.get("eval_outer_step") == held and end.get("eval_loss") is not None
-        finals.append(end.get("eval_loss") if ok else None)
+        loss = end.get("eval_loss") if ok else None
+        after = recs[recs.index(end) + 1:] if end else []  # a state adopted at the end is evaluated after it
+        loss = next((e.get("eval_loss") for e in reversed(after) if e.get("event") == "eval"), loss)
+        finals.append(loss)
     losses = [v for v in finals if v is not None]
     return {
         "rounds": len(rounds),

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -175,6 +177,17 @@ def test_six_peers_in_groups_of_two_mix_into_one_model(tmp_path):
         assert step is not None and doc["summary"]["lineages"] == len({m[step] for m in published.values() if step in m})
 
 
+def three_finishing(swarm: Swarm, *c_args: str):
+    """a, b and c of one run that ends at --max-outer-steps (the Swarm's extra flags); c gets ``c_args``."""
+    a = swarm.start("a")
+    return a, swarm.start("b", initial=a, wait_start=False), swarm.start("c", *c_args, initial=a, wait_start=False)
+
+
+def assert_one_theta(nodes, step: int) -> None:
+    final = {n.name: theta_by_step(n).get(step) for n in nodes}
+    assert None not in final.values() and len(set(final.values())) == 1, (final, nodes[-1].output()[-3000:])
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("fault", ["late-end", "late-before-end"])
 def test_a_peer_late_at_the_end_ends_on_the_swarm_model(tmp_path, fault):
@@ -185,16 +198,48 @@ def test_a_peer_late_at_the_end_ends_on_the_swarm_model(tmp_path, fault):
     # phase ends that phase: no round past the end (two peers of `bench scale` reached step 11 of 10).
     last = 4
     with Swarm(tmp_path, "lateend", extra=["--max-outer-steps", str(last), "--wait-for-peers", "3"]) as swarm:
-        a = swarm.start("a")
-        b = swarm.start("b", initial=a, wait_start=False)
-        c = swarm.start("c", "--fault", fault, initial=a, wait_start=False)
+        a, b, c = three_finishing(swarm, "--fault", fault)
         for node in (a, b, c):
             assert swarm.wait_exit(node, 300) == 0, node.output()[-3000:]
         assert (c.state_dir / "late-end").exists()
         assert [s for s in c.events("state_sync") if s["outer_step"] == last], c.output()[-3000:]
-        final = {n.name: theta_by_step(n).get(last) for n in (a, b, c)}
-        assert None not in final.values() and len(set(final.values())) == 1, final
+        assert_one_theta((a, b, c), last)
         assert any("still behind" in n.output() for n in (a, b)), a.output()[-2000:]
         for node in (a, b, c):
             assert node.events("stop")[-1]["outer_step"] == last
             assert max(e["outer_step"] for e in node.events("averaging_start")) < last, node.name
+
+
+RECORD_LIFETIME_S = 15  # a peer record expires 3 re-signing periods (5 s) after it was stored (dht/records.py)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("pause_at", ["phase", "round"])
+def test_a_peer_paused_past_its_records_lifetime_at_the_end_still_ends_on_the_swarm_model(tmp_path, pause_at):
+    # c stops (SIGSTOP: a laptop put to sleep, a starved process) after its round of outer step
+    # last - 1 (phase) or once it handed off its last phase (round), for longer than its record
+    # lives, while a and b finish the run. Its record expires, but its DHT process still answers
+    # pings: a and b keep serving their final state, and c, resumed, takes it (they used to leave once
+    # c's record expired: c ended alone on a model of its own). When c stops inside the last round,
+    # its averager may still join a and b's all-reduce while c cannot confirm it: the round fails and
+    # a and b each apply their own Δ; they then settle on the canonical one (they used to end on two).
+    last = 4
+    with Swarm(tmp_path, "pausedend", extra=["--max-outer-steps", str(last), "--wait-for-peers", "3"]) as swarm:
+        a, b, c = three_finishing(swarm)
+        if pause_at == "phase":  # c has applied outer step 3 (and may hand off its next phase at once)
+            swarm.wait(lambda: any(r["outer_step"] == last - 1 for r in c.outer_steps()), 240, "c reached step 3", c)
+        else:  # c has handed off the Δ of its last phase: the last round is forming or running
+            swarm.wait(lambda: any(e["outer_step"] == last - 1 for e in c.events("averaging_start")), 240,
+                       "c handed off its last phase", c)
+        c.proc.send_signal(signal.SIGSTOP)
+        paused = time.monotonic()
+        try:
+            swarm.wait(lambda: any("this final state" in n.output() for n in (a, b)), 120, "a and b wait for c")
+            time.sleep(max(0.0, paused + RECORD_LIFETIME_S + 10 - time.monotonic()))  # c's record has expired
+            assert a.alive() and b.alive(), (a.output()[-2000:], b.output()[-2000:])
+        finally:
+            c.proc.send_signal(signal.SIGCONT)
+        for node in (a, b, c):
+            assert swarm.wait_exit(node, 240) == 0, node.output()[-3000:]
+        assert_one_theta((a, b, c), last)
+        assert "ran alone" not in c.output(), c.output()[-2000:]

@@ -71,6 +71,13 @@ class _QuietExpectedFailures(logging.Filter):
 logging.getLogger("hivemind.averaging.averager").addFilter(_QuietExpectedFailures())
 
 _STILL_LOOKING = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
+
+
+def _log_declare_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug(f"declaring this peer as a state donor failed: {task.exception()!r}")
+
+
 AVOID_AFTER_REFUSALS = 2  # a reducer that refused our valid part this many times within AVOID_MEMORY_S ...
 AVOID_MEMORY_S = 600.0
 AVOID_REFUSER_S = 300.0  # ... is avoided this long (one refusal can be an honest peer's bound at a bad moment)
@@ -466,6 +473,27 @@ class PseudoGradientAverager(DecentralizedAverager):
             return 2
         shunned = len(self._banned_peers) + sum(1 for p in list(self._avoided_peers) if self._avoids(p))
         return majority_quorum(max(1, online - shunned), max_group_size)
+
+    async def _declare_for_download_periodically(self):
+        """hivemind's, with each declaration's outcome read: a store that times out (our DHT process
+        was busy, e.g. while this node's main process was stopped) is logged at debug level instead of
+        asyncio's "Task exception was never retrieved" traceback (hivemind 1.1.12 never reads it)."""
+        download_key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        sharing_was_allowed = self.allow_state_sharing
+        while True:
+            expiration_time = get_dht_time() + self.declare_state_period
+            if self.allow_state_sharing or sharing_was_allowed:  # also once after it was switched off
+                store = self.dht.store(download_key, subkey=self.peer_id.to_bytes(),
+                                       value=self.state_sharing_priority if self.allow_state_sharing else None,
+                                       expiration_time=expiration_time, return_future=True)
+                task = asyncio.create_task(asyncio.wait_for(store, timeout=expiration_time - get_dht_time()))
+                task.add_done_callback(_log_declare_failure)
+                sharing_was_allowed = self.allow_state_sharing
+            self._state_updated.clear()  # declare again after the period, or as soon as the field changes
+            try:
+                await asyncio.wait_for(self._state_updated.wait(), timeout=max(0.0, expiration_time - get_dht_time()))
+            except asyncio.TimeoutError:
+                pass
 
     async def _shutdown(self, timeout) -> None:
         # hivemind 1.1.12 calls .finalize() on the values of _running_groups, which are futures of the

@@ -125,7 +125,8 @@ def run_demo(*, peers: int, outer_steps: int, inner_steps: int, port: int, workd
         procs.append(proc)
 
     say(console, f"demo: run {run_id}, {peers} nodes, {outer_steps} outer steps of H={inner_steps}; files in {run_dir}")
-    handlers = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # SIGINT too: a shell starts a background job with SIGINT ignored, and Python then leaves it so
+    handlers = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         start(0, ["--port", str(port)])
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -186,7 +187,7 @@ def summarize(metrics: list[Path], codes: list[int]) -> tuple[Table, str]:
     if lineages == 1 and all(digests):
         return table, f"demo: all {len(digests)} peers hold the same θ_global"
     if lineages > 1:
-        return table, (f"demo: warning: the peers ended on {lineages} different θ_global: a peer away for more than ~15 s "
+        return table, (f"demo: warning: the peers ended on {lineages} different θ_global: a peer that did not answer "
                        "when the others reached the last outer step finished alone (docs/architecture.md, Known limits)")
     return table, ""
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
+import sys
 import time
 from typing import Annotated, Any, Callable
 
@@ -15,6 +17,7 @@ from rich.text import Text
 from diloco_swarm.cli.text import DEFAULT_RUN_ID, printable
 
 STALE_AFTER_S = 20.0
+PIPED_WIDTH = 160  # columns of the table when stdout is not a terminal (rich would fold it to 80)
 REDIAL_EVERY_S = 10.0  # a reader that finds no record re-dials its --initial-peers at most this often
 
 
@@ -249,7 +252,9 @@ def status(
     from diloco_swarm.dashboard.state import summarize
 
     require_finite(stale_after=stale_after)
-    out = Console(highlight=False)
+    # piped (a log, a script): rows of one line each, not folded to rich's 80-column default ($COLUMNS wins)
+    piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    out = Console(highlight=False, width=PIPED_WIDTH) if piped else Console(highlight=False)
     if run_id_problem(run_id):
         raise fail(run_id_problem(run_id))
     light = use_light(light)
@@ -275,6 +280,6 @@ def status(
                   soft_wrap=True)
         return
     out.print(render_table(rows, run_id, width=out.width))
-    out.print(Text(summary_line(totals)))
+    out.print(Text(summary_line(totals)), soft_wrap=True)
     if totals["lineage"]["warning"]:
         out.print(Text("warning: " + totals["lineage"]["warning"], style="yellow"), soft_wrap=True)

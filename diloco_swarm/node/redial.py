@@ -109,10 +109,12 @@ class ProbePeers:
     (refused: the process is gone; no route), or it still runs then and the DHT's blacklist already
     bans them (a call to them failed lately; only when ``banned_is_gone``). A ping that answers lifts
     a ban; one still running after ``timeout`` says nothing of a peer not banned (a slow peer): it is
-    not reported."""
+    not reported, unless ``only_answers_count`` (then only a peer that answers is not gone)."""
 
-    def __init__(self, peers: Sequence[str], timeout: float, banned_is_gone: bool = True):
+    def __init__(self, peers: Sequence[str], timeout: float, banned_is_gone: bool = True,
+                 only_answers_count: bool = False):
         self.peers, self.timeout, self.banned_is_gone = list(peers), timeout, banned_is_gone
+        self.only_answers_count = only_answers_count
 
     async def __call__(self, _dht, node) -> list[str]:
         import asyncio
@@ -128,7 +130,7 @@ class ProbePeers:
             try:
                 answered = await asyncio.wait_for(node.protocol.call_ping(peer_id), self.timeout) is not None
             except asyncio.TimeoutError:
-                return banned and self.banned_is_gone
+                return self.only_answers_count or (banned and self.banned_is_gone)
             if answered and banned:
                 node.blacklist.register_success(peer_id)
             return not answered
@@ -138,13 +140,14 @@ class ProbePeers:
 
 
 def gone_peers(dht, peers: Sequence[str], timeout: float = PROBE_TIMEOUT_S,
-               stop: threading.Event | None = None, banned_is_gone: bool = True) -> set[str]:
+               stop: threading.Event | None = None, banned_is_gone: bool = True,
+               only_answers_count: bool = False) -> set[str]:
     """The ``peers`` whose process is gone (:class:`ProbePeers`), all probed at once; bounded by
     ``timeout`` + 2 s; never raises. :returns: their peer ids (empty on any trouble)."""
     if not peers:
         return set()
     try:
-        return set(dht_run(dht, ProbePeers(peers, timeout, banned_is_gone), timeout=timeout + 2.0,
+        return set(dht_run(dht, ProbePeers(peers, timeout, banned_is_gone, only_answers_count), timeout=timeout + 2.0,
                            what="probing the round's peers", stop=stop))
     except Exception as e:
         logger.debug(f"probing {len(peers)} peers failed: {e}")

@@ -214,8 +214,8 @@ class Node(Startup, StateSync, Mixing):
                                 f"warning: the last round of this node ran alone (no other peer of run "
                                 f"'{self.spec.run_id}' was online), but it saw {len(self._recent_peers)} other peer(s) "
                                 "in the last 2 minutes: they may have ended on another θ_global (compare theta_digest "
-                                "in the metrics files). A peer back within ~15 s of the others' end takes their state")
-                        self._serve_peers_behind()  # a peer late for the last round takes our state
+                                "in the metrics files). The others wait at the end for a peer behind only while its process answers")
+                        self._end_on_one_model()  # peers late for the last round, or on another θ_global, take ours
                         break
                     self._apply_round(wait=True)  # the last round: nothing left to overlap it with
                     continue
@@ -556,7 +556,7 @@ class Node(Startup, StateSync, Mixing):
             return RoundResult(ok=False, group_size=1, reason="no other peer online"), own, True, ""
         limit = self.cfg.max_outer_steps
         if 0 < limit and other_records and all(r.outer_step >= limit and r.phase_eta <= 0 for r in other_records):
-            # they finished the run without us and wait to serve their state (_serve_peers_behind): take it
+            # they finished the run without us and wait to serve their state (_end_on_one_model): take it
             return RoundResult(ok=False, group_size=1, reason="the other peers finished the run (--max-outer-steps) "
                                "without us"), own, False, ""
         plan, due, gone = self._plan_round(handoff, records)
@@ -716,6 +716,7 @@ class Node(Startup, StateSync, Mixing):
         result = outcome.result
         self.stats.count_round(result, mixing=outcome.mixing)
         self._ended_alone = outcome.alone and outcome.state is None and outcome.mixed is None
+        self._ended_in_grid = bool(outcome.group_key)  # groups smaller than the swarm: lineages by design
         round_step = handoff.outer_step + 1
         # Our Δ is in the swarm's θ_global if a verified average that the swarm kept included it. It may
         # be when a member kept the round while we missed a confirmation (maybe_kept): carrying it then
@@ -1000,6 +1001,7 @@ class Node(Startup, StateSync, Mixing):
     # ------------------------------------------------------------------ supervision (node/watchdog.py, node/redial.py)
     lost: str | None = None  # set when a part of this node died: the node stops with PartLost (exit 3)
     _ended_alone = False  # the last round applied was our own Δ alone (nobody online): said at the planned end
+    _ended_in_grid = False  # the last round applied was planned in groups smaller than the swarm (a grid)
     watchdog = None
     _redial_known: list[str] = []
 

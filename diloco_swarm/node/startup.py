@@ -307,8 +307,10 @@ class Startup:
                             f"--initial-peers did not answer for this run ({verdict.reason}); serving as a full peer")
             return "unknown"
         if verdict.reachable is None:
-            self.status.log(f"could not check reachability ({verdict.reason}); serving as a full peer. Behind a home "
-                            "router without port forwarding? Restart with --client-mode")
+            # on loopback only (the demo, tests) there is no router to be behind: no hint
+            hint = "" if maddrs and all(_is_loopback(a) for a in maddrs) else (
+                ". Behind a home router without port forwarding? Restart with --client-mode")
+            self.status.log(f"could not check reachability ({verdict.reason}); serving as a full peer{hint}")
             return "unknown"
         port = cfg.port or "PORT"
         self.status.log(

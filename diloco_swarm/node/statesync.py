@@ -240,7 +240,7 @@ class StateSync:
         (None while it is still to run). The swarm's state is then also taken when it has reached our
         ``--max-outer-steps`` ahead of ``then``: a peer late for the last round has no next round to
         meet the others in, and would end the run alone on its own θ_global (the finishers wait for it:
-        :meth:`_serve_peers_behind`)."""
+        :meth:`_end_on_one_model`)."""
         evidence = evidence or self._evidence()
         newest = evidence.supported_step
         limit = self.cfg.max_outer_steps
@@ -249,31 +249,92 @@ class StateSync:
             return self._download_state(min_step=newest, reason="lagging", candidates=evidence.donors_at(newest))
         return None
 
-    def _serve_peers_behind(self) -> None:
-        """At the planned end (``--max-outer-steps``), stay online while a peer of the run whose
-        record is live is behind our outer step, at most :data:`FINISH_LINGER_S`: it then downloads
-        our state (:meth:`_catch_up`) instead of ending the run alone on its own θ_global. Our record
-        says we train no more (``phase_eta`` 0), so no round waits for us. A client serves no state
-        (nobody can dial it) and leaves at once; so does a node asked to stop. A peer that crashed
-        holds us until its record expires (3 re-signing periods); one that left said goodbye."""
+    def _end_on_one_model(self) -> None:
+        """At the planned end (``--max-outer-steps``): stay online, at most :data:`FINISH_LINGER_S`,
+        until every peer of the run holds our θ_global or has left. Our record says we train no more
+        (``phase_eta`` 0), so no round waits for us. A client serves no state (nobody can dial it)
+        and leaves at once; so does a node asked to stop.
+
+        - **Peers behind** our step download our state (:meth:`_catch_up`) instead of ending alone on
+          their own θ_global. We wait for those whose live record is behind, and for the peers we
+          saw in the last 2 minutes whose record then expired (3 re-signing periods) while their
+          process still answers a ping: a node paused or starved for longer than that, or restarted,
+          is still coming. One that said goodbye left; one whose ping fails crashed or left; a client
+          cannot be asked, so its expired record ends the wait for it.
+        - **Peers at our step on another θ_global** (the last round failed its confirmation, e.g. a
+          member stopped before it confirmed, and each member applied its own Δ): the canonical
+          state among them (:func:`canonical_state`, the rule of a round's members) wins; we download
+          it once when it is not ours (reason ``diverged``), and wait for the others while it is. Not
+          in a grid (groups smaller than the swarm): there the groups' θ_global differ by design
+          (θ-mixing keeps them close), and every peer downloading one would swamp its holders.
+        """
+        from diloco_swarm.dht.records import live_records, read_peer_entries
+        from diloco_swarm.node.redial import gone_peers
+
         if self.client_mode or self.stop.requested:
             return
         self.stats.phase_eta = 0.0
         self.records.publish_now()
-        deadline, said = time.monotonic() + FINISH_LINGER_S, False
+        deadline, said, synced = time.monotonic() + FINISH_LINGER_S, False, False
+        # peer id -> (its outer step, its record's owner, whether it answers pings); None: not known
+        behind: dict[str, tuple[int | None, str | None, bool]] = {p: (None, None, True) for p in self._recent_peers}
         while not self.stop.requested and time.monotonic() < deadline:
-            try:
-                records = self._read_records()
-            except Exception:  # the DHT did not answer: nobody can find us either
+            entries = read_peer_entries(self.dht, self.spec.run_id)
+            if entries is None:  # the DHT did not answer: nobody can find us either
                 return
-            behind = sorted(r.outer_step for p, r in records.items() if p != self.peer_id and r.outer_step < self.outer_step)
-            if not behind:
+            records = live_records(entries)
+            others: dict[str, str] = {}  # peer id -> the θ digest it holds at our step, when not ours
+            mine = self._global_digest()
+            for e in entries:
+                r = e.record
+                if r is None or r.peer_id == self.peer_id or records.get(r.peer_id) is not r:
+                    continue
+                if r.outer_step < self.outer_step:
+                    behind[r.peer_id] = (r.outer_step, e.owner, r.reachability != "client")
+                    continue
+                behind.pop(r.peer_id, None)
+                digest = next((m.digest for m in r.theta_marks if m.step == self.outer_step), None)
+                if r.outer_step == self.outer_step and digest not in (None, mine) and not self._ended_in_grid:
+                    others[r.peer_id] = digest
+            farewells = {e.owner for e in entries if e.record is None}
+            for p in [p for p in behind if p not in records]:  # its record expired or said goodbye
+                _, owner, askable = behind[p]
+                if owner in farewells or not askable:
+                    del behind[p]
+            silent = [p for p in behind if p not in records]
+            # a ping that hangs counts as gone here: a peer that left leaves an address that may never answer
+            for p in gone_peers(self.dht, silent, stop=self.stop.event, only_answers_count=True):
+                behind.pop(p, None)
+            if others:
+                at_step = {p: (self.outer_step, d) for p, d in others.items()}
+                at_step[self.peer_id] = (self.outer_step, mine)
+                canonical = canonical_state(at_step, self.peer_id, self._evidence(), self.averager.donors(),
+                                            can_donate=True)
+                if canonical[1] != mine:
+                    if synced:  # once only: two peers that judged apart must not swap states forever
+                        others = {}
+                    else:
+                        synced = True
+                        holders = [p for p, d in others.items() if d == canonical[1]]
+                        if self._sync_state(min_step=self.outer_step, reason="diverged", candidates=holders,
+                                            attempts=3):
+                            self._evaluate(force=True)
+                            self.metrics.write({"event": "eval", "peer_id": self.peer_id, "outer_step": self.outer_step,
+                                                "eval_loss": self.stats.eval_loss})
+                            self.records.publish_now()
+                        continue
+            if not behind and not others:
                 return
             if not said:
                 said = True
-                who, it = ("1 peer is", "it") if len(behind) == 1 else (f"{len(behind)} peers are", "them")
-                self.status.log(f"{who} still behind (outer step {behind[0]}): serving {it} this final state for up "
-                                f"to {FINISH_LINGER_S:.0f}s before leaving (Ctrl+C leaves now)")
+                n = len(behind) + len(others)
+                who, it = ("1 peer is", "it") if n == 1 else (f"{n} peers are", "them")
+                steps = [s for s, _, _ in behind.values() if s is not None]
+                where = (f"behind (outer step {min(steps)})" if steps else
+                         "silent (no fresh record) but answering" if behind else
+                         f"on another θ_global at outer step {self.outer_step}")
+                self.status.log(f"{who} still {where}: serving {it} this final state for up to "
+                                f"{FINISH_LINGER_S:.0f}s before leaving (Ctrl+C leaves now)")
             self.stop.event.wait(LINGER_POLL_S)
 
     def _warn_unsupported(self, peer: str, step: int) -> None:
