@@ -194,6 +194,9 @@ def join(
         raise fail(f"--fault must be one of {', '.join(FAULT_NAMES[1:])}, got '{fault}'")
     if target_group_size == 1:
         raise fail("--target-group-size must be 0 (the whole swarm) or at least 2")
+    if target_group_size > max_group_size:
+        err.print(f"warning: --target-group-size {target_group_size} is above --max-group-size {max_group_size}: "
+                  f"groups hold at most {max_group_size} peers", soft_wrap=True)
     if matchmaking_time >= averaging_window:
         raise fail("--matchmaking-time must be shorter than --averaging-window")
     if client_mode and public:

@@ -141,7 +141,8 @@ class Node(Startup, StateSync, Mixing):
         self.spec = config.spec
         self.status = status or StatusLine()
         self.stop = StopFlag(self.status)
-        self.stop.round_in_flight = lambda: self.sync is not None and self.sync.in_flight
+        # (a round that has already ended is still applied: only one still running is dropped)
+        self.stop.round_in_flight = lambda: self.sync is not None and self.sync.in_flight and not self.sync.done()
         self.stats = NodeStats()
         self.dht = None
         self.averager = None
@@ -974,7 +975,11 @@ class Node(Startup, StateSync, Mixing):
         return contextlib.nullcontext()
 
     def _leave(self) -> None:
-        """Graceful leave: drop the round in flight, finish the checkpoint write, say goodbye."""
+        """Graceful leave: apply a round that has ended, drop one still running, finish the checkpoint
+        write, say goodbye."""
+        if self.lost is None and self.sync is not None and self.sync.done():
+            with contextlib.suppress(Exception):  # as during training; the stop line did not call it dropped
+                self._apply_round()
         pending_inner_s = self.sync.pending_inner_s() + (self._carried.inner_s if self._carried else 0.0)
         self.sync.abandon(timeout=5.0)
         self.stats.wasted_inner_s += pending_inner_s
