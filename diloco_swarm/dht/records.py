@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from hivemind.utils.crypto import RSAPrivateKey
 
 from diloco_swarm.dht.lineages import DIGEST_PATTERN, MAX_THETA_MARKS, marks_of
-from diloco_swarm.dht.calls import dht_get, dht_store
+from diloco_swarm.dht.calls import ChildGone, dht_get, dht_store
 from diloco_swarm.dht.errors import SwarmError
 
 logger = logging.getLogger(__name__)
@@ -519,5 +519,7 @@ class PeerRecordPublisher:
                     self._store(None, _dht_time() + 3 * self.interval_s)
                 finally:
                     self._lock.release()
+            except ChildGone:  # the signal to our process group reached the DHT while we stored
+                logger.debug("the DHT process ended during the goodbye; our record expires by itself")
             except Exception as e:
                 logger.warning(f"could not remove this peer's record: {e}")
