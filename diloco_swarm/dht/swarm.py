@@ -35,6 +35,10 @@ class BootstrapFailed(SwarmError):
     """None of the initial peers answered."""
 
 
+class InitialPeersAreUs(BootstrapFailed):
+    """The ``--initial-peers`` name this node's own peer id (a copied state dir, or its own address)."""
+
+
 def parse_initial_peers(values: Sequence[str]) -> list[str]:
     """Check multiaddrs such as ``/ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...``.
 
@@ -221,7 +225,7 @@ def start_dht(
     if bootstrap_failed:
         own = _own_peer_id(identity_path)
         if own is not None and set(peer_ids_of(initial_peers)) == {own}:  # libp2p never dials itself
-            raise BootstrapFailed(
+            raise InitialPeersAreUs(
                 f"the --initial-peers are this node's own peer id ({own}, from {identity_path}): another node runs "
                 "with this node's identity (a copied --state-dir: give each node its own, or delete identity.key "
                 "and record.key in the copy), or these are this node's own addresses; give the address of another node"

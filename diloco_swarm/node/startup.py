@@ -214,7 +214,7 @@ class Startup:
         :raises SwarmError: as :func:`~diloco_swarm.dht.swarm.start_dht`; BootstrapFailed when neither
             the ``--initial-peers`` nor the known peers answered.
         """
-        from diloco_swarm.dht.swarm import BootstrapFailed, peer_ids_of, start_dht
+        from diloco_swarm.dht.swarm import BootstrapFailed, InitialPeersAreUs, peer_ids_of, start_dht
         from diloco_swarm.node.known_peers import known_peers_path, load_known_peers, remember_peers
 
         cfg, run_id = self.cfg, self.spec.run_id
@@ -227,7 +227,7 @@ class Startup:
                 dht = start_dht(initial_peers=cfg.initial_peers, client_mode=self.client_mode, **dht_args)
             except BootstrapFailed as err:
                 # the swarm may have moved on (a restart from shell history): try where we last saw it
-                if not known or self.stop.requested:
+                if not known or self.stop.requested or isinstance(err, InitialPeersAreUs):
                     raise
                 self.status.log(f"none of the --initial-peers answered; dialing {saw}")
                 try:
