@@ -12,6 +12,7 @@ a partial or unverified average.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import math
@@ -445,7 +446,14 @@ class PseudoGradientAverager(DecentralizedAverager):
             return set_exception(e)
 
         step.set_exception = explain_refusals
-        return await super()._step(step=step, future_for_init=future_for_init)
+        try:
+            return await super()._step(step=step, future_for_init=future_for_init)
+        except concurrent.futures.InvalidStateError:
+            if not step.cancelled():
+                raise
+            # the node stopped waiting (the others moved on, a stop) while a retry's all-reduce still ran:
+            # hivemind's set_result on the cancelled step raises, a traceback nobody reads
+            logger.debug("an all-reduce finished after the node had cancelled its step; its result is dropped")
 
     def _round_settings(self, step) -> tuple[str, int, int | None]:
         """(group bits, target group size, online peers) that ``average()`` gathered for this round:
