@@ -262,10 +262,7 @@ class Node(Startup, StateSync, Mixing):
         self._join_sync()
         if self.stop.requested:
             return True  # the loop does not start; the leave writes the stop event
-        self._evaluate(force=True)
-        self.metrics.write({"event": "eval", "peer_id": self.peer_id, "outer_step": self.outer_step,
-                            "eval_loss": self.stats.eval_loss})
-        self.status.log(f"held-out loss at outer step {self.outer_step}: {self.stats.eval_loss:.4f}")
+        self._evaluate_now()
         if self._reached_max_outer_steps():
             self.status.log(f"outer step {self.outer_step} has reached --max-outer-steps {self.cfg.max_outer_steps}; "
                             "nothing to train (the limit is the swarm's absolute outer step)")
@@ -821,6 +818,14 @@ class Node(Startup, StateSync, Mixing):
         self.stats.eval_outer_step = self.outer_step
         self._last_eval_s = time.monotonic() - t0
         self.stats.eval_s += self._last_eval_s
+
+    def _evaluate_now(self) -> None:
+        """Held-out loss of θ_global now (at the start, after a state adopted at the end): an ``eval``
+        metrics event and a line."""
+        self._evaluate(force=True)
+        self.metrics.write({"event": "eval", "peer_id": self.peer_id, "outer_step": self.outer_step,
+                            "eval_loss": self.stats.eval_loss})
+        self.status.log(f"held-out loss at outer step {self.outer_step}: {self.stats.eval_loss:.4f}")
 
     def _checkpoint(self) -> None:
         self.stop.has_checkpoint = True

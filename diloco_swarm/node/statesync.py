@@ -306,23 +306,16 @@ class StateSync:
             for p in gone_peers(self.dht, silent, stop=self.stop.event, only_answers_count=True):
                 behind.pop(p, None)
             if others:
-                at_step = {p: (self.outer_step, d) for p, d in others.items()}
-                at_step[self.peer_id] = (self.outer_step, mine)
-                canonical = canonical_state(at_step, self.peer_id, self._evidence(), self.averager.donors(),
-                                            can_donate=True)
-                if canonical[1] != mine:
-                    if synced:  # once only: two peers that judged apart must not swap states forever
-                        others = {}
-                    else:
-                        synced = True
-                        holders = [p for p, d in others.items() if d == canonical[1]]
-                        if self._sync_state(min_step=self.outer_step, reason="diverged", candidates=holders,
-                                            attempts=3):
-                            self._evaluate(force=True)
-                            self.metrics.write({"event": "eval", "peer_id": self.peer_id, "outer_step": self.outer_step,
-                                                "eval_loss": self.stats.eval_loss})
-                            self.records.publish_now()
-                        continue
+                evidence = gather_evidence(entries, self.peer_id, self.outer_step, self.stats.theta_marks.copy())
+                holders = self._holders_of_canonical(others, mine, evidence)
+                if holders and synced:  # once only: two peers that judged apart must not swap states forever
+                    others = {}
+                elif holders:
+                    synced = True
+                    if self._sync_state(min_step=self.outer_step, reason="diverged", candidates=holders, attempts=3):
+                        self._evaluate_now()
+                        self.records.publish_now()
+                    continue
             if not behind and not others:
                 return
             if not said:
@@ -336,6 +329,14 @@ class StateSync:
                 self.status.log(f"{who} still {where}: serving {it} this final state for up to "
                                 f"{FINISH_LINGER_S:.0f}s before leaving (Ctrl+C leaves now)")
             self.stop.event.wait(LINGER_POLL_S)
+
+    def _holders_of_canonical(self, others: dict[str, str], mine: str, evidence: Evidence) -> list[str]:
+        """Of the peers at our outer step that hold another θ_global (``others``: peer id -> digest), those
+        holding the canonical one (:func:`canonical_state`) when it is not ours ``mine``; else []."""
+        at_step = {p: (self.outer_step, d) for p, d in others.items()}
+        at_step[self.peer_id] = (self.outer_step, mine)
+        canonical = canonical_state(at_step, self.peer_id, evidence, self.averager.donors(), can_donate=True)
+        return [] if canonical[1] == mine else [p for p, d in others.items() if d == canonical[1]]
 
     def _warn_unsupported(self, peer: str, step: int) -> None:
         """Name, once per peer, a peer that claims an outer step other peers' signed records do not back."""
