@@ -33,18 +33,18 @@ def _delta(seed: int) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _averagers(prefix: str, target_group_size: int, clients: tuple[bool, ...]):
-    """One DHT and averager per entry of ``clients`` (True: a client), bootstrapped from the first;
-    all shut down at the end."""
+def _averagers(prefix: str, target_group_size: int, clients: tuple[bool, ...], types: tuple[type, ...] = ()):
+    """One DHT and averager per entry of ``clients`` (True: a client), bootstrapped from the first, of
+    the class in ``types`` at its index (default ``PseudoGradientAverager``); all shut down at the end."""
     dhts = [start_dht(initial_peers=[], host="127.0.0.1", port=0)]
     dhts += [start_dht(initial_peers=visible_maddrs(dhts[0]), host="127.0.0.1", port=0, client_mode=client)
              for client in clients[1:]]
     averagers: list[PseudoGradientAverager] = []
     try:
-        for dht, client in zip(dhts, clients):
-            averagers.append(PseudoGradientAverager([torch.zeros(s) for s in SHAPES], dht, prefix=prefix,
-                                                    target_group_size=target_group_size, matchmaking_time=2.0,
-                                                    client_mode=client))
+        for i, (dht, client) in enumerate(zip(dhts, clients)):
+            cls = types[i] if i < len(types) else PseudoGradientAverager
+            averagers.append(cls([torch.zeros(s) for s in SHAPES], dht, prefix=prefix, target_group_size=target_group_size,
+                                 matchmaking_time=2.0, client_mode=client))
         yield averagers
     finally:
         for averager in averagers:
@@ -176,3 +176,79 @@ def test_a_late_member_whose_planned_group_already_averaged_stops_waiting_for_it
                                     moved_on=lambda peers: {p for p in peers if p in finished})[0]
         assert not late.ok and late.reason == "the other planned members averaged without us (we were late)", late
         assert time.time() - started < 15.0, "the late member waited for a group that had already averaged"
+
+
+def _on_threads(run, n: int, timeout: float = 60.0) -> None:
+    """``run(i)`` for i in range(n), each on a thread, all joined (each at most ``timeout`` s)."""
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+
+
+class FailsOnItsSideOnce(PseudoGradientAverager):
+    """Runs its first all-reduce to the end (the others receive every part), then fails on its side:
+    a part that arrived too late for it, as seen in ``bench scale`` under load."""
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+        if not getattr(self, "_failed_once", False):
+            self._failed_once = True
+            raise RuntimeError("fault: this member's side of the all-reduce failed")
+
+
+FailsOnItsSideOnce.__name__ = FailsOnItsSideOnce.__qualname__ = PseudoGradientAverager.__name__  # RPC names follow it
+
+
+@pytest.mark.timeout(120)
+def test_a_member_whose_side_of_the_allreduce_failed_says_so_and_the_others_are_late_at_once():
+    # bench scale (whole swarm of 8): one member's side of the all-reduce failed and hivemind retried it
+    # in a new group, while its 6 partners waited 15 s for its confirmation and each applied its own Δ:
+    # 7 θ_global at one outer step. Its "failed" now reaches them in-band at once: they are late alike.
+    with _averagers("side-failed", 2, (False, False), types=(FailsOnItsSideOnce,)) as averagers:
+        results: list = [None, None]
+
+        def run(i: int) -> None:
+            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={}, timeout=20.0,
+                                              scheduled_time=time.time(), group_size=2)
+
+        _on_threads(run, 2)
+        (failed, _), (partner, average) = results
+        assert not failed.ok, failed
+        assert not partner.ok and not partner.maybe_kept and "partial round" in partner.reason, partner
+        assert partner.group_size == 2 and partner.seconds < 10.0, partner  # not the 15 s digest wait
+        for got, own in zip(average, _delta(1)):  # late: its own Δ comes back, to be carried
+            assert torch.equal(got, own)
+
+
+class ConfirmsLate(PseudoGradientAverager):
+    """Confirms its average only after its partner's digest wait ran out (a starved process)."""
+
+    def _cross_check(self, stats, result, digest_wait, stop=None, gone=None):
+        time.sleep(CONFIRM_LATE_S)
+        return super()._cross_check(stats, result, digest_wait, stop, gone)
+
+
+ConfirmsLate.__name__ = ConfirmsLate.__qualname__ = PseudoGradientAverager.__name__  # RPC names follow it
+CONFIRM_LATE_S = 6.0
+
+
+@pytest.mark.timeout(120)
+def test_a_member_that_missed_a_confirmation_applies_the_average_its_partner_keeps():
+    # bench scale (whole swarm of 8): 6 members missed one member's confirmation and each applied its
+    # own Δ, while that member kept the average: 7 θ_global at one outer step. A member that heard no
+    # contradiction now returns the round's average, the one its partner keeps.
+    with _averagers("confirms-late", 2, (False, False), types=(PseudoGradientAverager, ConfirmsLate)) as averagers:
+        results: list = [None, None]
+
+        def run(i: int) -> None:
+            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={}, timeout=20.0,
+                                              scheduled_time=time.time(), group_size=2, digest_wait=3.0 if i == 0 else 30.0)
+
+        _on_threads(run, 2)
+        (impatient, average), (late, kept) = results
+        assert late.ok, late  # it heard our confirmation: it keeps the average
+        assert not impatient.ok and impatient.maybe_kept and "did not confirm" in impatient.reason, impatient
+        for got, want in zip(average, kept):
+            assert torch.equal(got, want)

@@ -91,6 +91,23 @@ def test_theta_history_keeps_the_last_states_as_copies():
     assert history.states() == [] and (history.remember((9, D["a"]), theta) or history.states() == [])
 
 
+def test_the_anchor_theta_0_is_listed_first_kept_through_resizes_and_is_a_reference_of_last_resort():
+    history = ThetaHistory(keep=3)
+    history.anchor_on((0, D["f"]), [torch.full((3,), 7.0)])
+    for step in range(1, 5):
+        history.remember((step, D["abcdef"[step - 1]]), [torch.full((3,), float(step))])
+    assert history.states() == [(0, D["f"]), (3, D["c"]), (4, D["d"])]
+    assert history.states(most=2) == [(0, D["f"]), (4, D["d"])]  # a mark budget keeps the anchor and the newest
+    history.resize(1)
+    assert history.states() == [(0, D["f"])] and torch.equal(history.get((0, D["f"]))[0], torch.full((3,), 7.0))
+    # three pairs of a grid meet in one group (a grid run's last round): they share only θ_0, and mix against it
+    pairs = {"A": meta(9, D["a"], (0, D["f"])), "B": meta(9, D["a"], (0, D["f"])), "C": meta(9, D["b"], (0, D["f"])),
+             "D": meta(9, D["b"], (0, D["f"])), "E": meta(9, D["c"], (0, D["f"])), "F": meta(9, D["c"], (0, D["f"]))}
+    plan = plan_mix(pairs)
+    assert plan is not None and plan.reference == (0, D["f"]) and plan.outer_step == 10
+    assert set(plan.weights.values()) == {1.0}
+
+
 # --- the mixing all-reduce between real averagers over 127.0.0.1 ------------------------------------
 
 SHAPES = [(96, 40), (33,)]

@@ -36,6 +36,7 @@ class FakeAverager:
     """Scripted rounds: ``events[i]`` is what round i does.
 
     - ``("ok", avg)``: a verified group average ``avg`` (list of tensors);
+    - ``("unconfirmed", avg)``: its average ``avg``, confirmed by us, not by every member (``maybe_kept``);
     - ``"fail"``: the group's round fails (others are online: a late round); our own Δ comes back;
     - ``"alone"``: no other peer is online; our own Δ comes back;
     - ``"unconfirmed"``: we confirmed the average, a member stayed silent; our own Δ comes back;
@@ -57,8 +58,8 @@ class FakeAverager:
             return RoundOutcome(Result(True, 2), [a.clone() for a in event[1]])
         if event == "fail":
             return RoundOutcome(Result(False, 2, "partial round"), own)
-        if event == "unconfirmed":  # we confirmed; a member was silent and may have kept the round
-            return RoundOutcome(Result(False, 2, "members did not confirm", maybe_kept=True), own)
+        if isinstance(event, tuple) and event[0] == "unconfirmed":  # a member was silent and may have kept it
+            return RoundOutcome(Result(False, 2, "members did not confirm", maybe_kept=True), [a.clone() for a in event[1]])
         if event == "alone":
             return RoundOutcome(Result(False, 1, "no other peer online"), own, alone=True)
         if event == "looking":
@@ -340,12 +341,16 @@ def test_a_peer_alone_steps_at_once():
     assert node.outer_step == 1 and node.records == [(1, False, 100)] and node._carried is None
 
 
-def test_a_round_another_member_may_have_kept_is_never_carried():
-    """Carrying a Δ that a member's kept average already holds would apply it twice: apply it alone
-    (the next round's canonical-state rule re-syncs us)."""
-    node = bare_node(["unconfirmed"])
+def test_a_round_another_member_may_have_kept_is_applied_never_carried():
+    """Carrying a Δ that a member's kept average already holds would apply it twice: the node applies
+    the round's average (what the averager returns for an unconfirmed round), as that member did."""
+    average = [torch.full_like(p, 0.5) for p in model().parameters()]
+    node = bare_node([("unconfirmed", average)])
+    expected = clone(node.outer.preview(average))  # θ_global after one outer step on that average
     one_outer_step(node, seed=1)
     assert node.outer_step == 1 and node.records == [(1, False, 100)] and node._carried is None
+    for got, want in zip(node.outer.theta, expected):
+        torch.testing.assert_close(got, want)
 
 
 def test_overlap_with_late_rounds_follows_blocking_exactly():

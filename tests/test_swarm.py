@@ -16,7 +16,7 @@ from swarmlib import Swarm, load_theta, relative_difference, theta_by_step
 pytestmark = [pytest.mark.swarm]
 
 INT8_TOLERANCE = 0.02  # relative; a canonical round makes peers bit-identical, so this is loose
-SPREAD_BOUND = 0.03  # most the final held-out losses of mixing pairs may spread (max/min − 1)
+SPREAD_BOUND = 0.01  # most the final held-out losses of a grid run may spread (max/min − 1): issue 13's target
 
 
 @pytest.mark.timeout(420)  # 3 nodes plus a `status` run; slow on a busy 2-core machine
@@ -136,7 +136,9 @@ def test_six_peers_in_groups_of_two_mix_into_one_model(tmp_path):
     """Issue 13: with ``--target-group-size 2`` the 6 peers average in pairs that follow the rotating
     grid (averaging/grouping.py), so the groups of any 3 consecutive rounds connect all of them, and
     the members of a pair that start from different θ_global mix them (node/mixing.py): one model,
-    within the held-out loss, without downloading states. ``status --json`` counts the lineages."""
+    within the held-out loss, without downloading states. The last round of the planned run is one
+    group of all 6, which mixes their θ_global against θ_0: the run ends on one model. ``status
+    --json`` counts the lineages."""
     # H = 20: a 10-step Δ of batch 4 is mostly sampling noise, and a pair's average of two of them
     # leaves each pair a loss of its own that mixing cannot remove within the run
     with Swarm(tmp_path, "mix6", extra=["--max-outer-steps", "14", "--wait-for-peers", "6", "--inner-steps", "20",
@@ -156,16 +158,20 @@ def test_six_peers_in_groups_of_two_mix_into_one_model(tmp_path):
             print(node.name, [(r["outer_step"], r["group_key"], r["round_ok"], r["mixed"], r["synced_to"])
                               for r in node.outer_steps()])
         verified = [r for r in rounds if r["round_ok"]]
-        assert all(r["group_size"] <= 2 for r in rounds), [r["group"] for r in rounds]
+        assert all(r["group_size"] <= 2 for r in rounds if r["outer_step"] < 14), [r["group"] for r in rounds]
         assert sum(r["mixed"] for r in verified) >= 6, [(r["outer_step"], r["mixed"]) for r in verified]
         # after start-up, the pairs of any 3 consecutive rounds connect all 6 peers (bench.scale's rule)
-        pairs = [(r["outer_step"], tuple(r["group"])) for r in verified if r["outer_step"] >= 3]
+        pairs = [(r["outer_step"], tuple(r["group"])) for r in verified if 3 <= r["outer_step"] < 14]
         assert len({s for s, _ in pairs}) >= 4, pairs
         assert split_windows(pairs, sorted(peers)) == [], pairs
-        # one model: the pairs' final held-out losses stay close. Measured 1.3-1.9% apart (whole-swarm
-        # rounds: identical; pairs that do not mix: 15-24%, bench scale): the last round's pair average
-        # of two noisy Δs leaves each pair a loss of its own (issue 13's 1% target: docs/benchmarks.md)
-        final = [n.outer_steps()[-1]["eval_loss"] for n in nodes]
+        # the last round: one group larger than a pair mixed the pairs' θ_global (the run's end settles
+        # whoever missed it, node/statesync.py), and every peer ends on that one model. Before this
+        # round the pairs' held-out losses were 0.9-3.5% apart (the last pair average of two noisy Δs)
+        last = [r for r in verified if r["outer_step"] == 14]
+        assert any(r["group_size"] > 2 and r["mixed"] for r in last), [(r["group"], r["mixed"]) for r in last]
+        assert_one_theta(nodes, 14)
+        final = [next(e["eval_loss"] for e in reversed(n.events()) if e.get("event") in ("outer_step", "eval")
+                      and e.get("eval_loss") is not None) for n in nodes]  # (an `eval` follows a state taken at the end)
         assert max(final) / min(final) - 1 < SPREAD_BOUND, final
         first_eval = a.events("eval")[0]["eval_loss"]
         assert max(final) < first_eval - 0.3, (first_eval, final)
@@ -221,8 +227,8 @@ def test_a_peer_paused_past_its_records_lifetime_at_the_end_still_ends_on_the_sw
     # lives, while a and b finish the run. Its record expires, but its DHT process still answers
     # pings: a and b keep serving their final state, and c, resumed, takes it (they used to leave once
     # c's record expired: c ended alone on a model of its own). When c stops inside the last round,
-    # its averager may still join a and b's all-reduce while c cannot confirm it: the round fails and
-    # a and b each apply their own Δ; they then settle on the canonical one (they used to end on two).
+    # its averager may still join a and b's all-reduce while c cannot confirm it: the round fails
+    # unconfirmed and a and b apply its average (each its own Δ before, and they ended on two models).
     last = 4
     with Swarm(tmp_path, "pausedend", extra=["--max-outer-steps", str(last), "--wait-for-peers", "3"]) as swarm:
         a, b, c = three_finishing(swarm)

@@ -132,7 +132,7 @@ class RoundResult:
     agreed_peers: int = 0  # members (besides us) whose published digest matched ours
     gone_peers: list[str] = field(default_factory=list)  # silent members found gone: not waited for (_cross_check)
     # we published our digest and no member contradicted it, but not all confirmed in time: a member
-    # that heard every confirmation may have kept the round (and our Δ in it)
+    # that heard every confirmation may have kept the round (and our Δ in it), so we apply it too
     maybe_kept: bool = False
 
 
@@ -155,7 +155,9 @@ class PseudoGradientAverager(DecentralizedAverager):
     :param dht: a running ``hivemind.DHT``.
     :param prefix: matchmaking key; the run id, so only peers of the same run meet.
     :param compression: ``int8`` (default), ``fp16`` or ``fp32``.
-    :param target_group_size: most peers in one group.
+    :param target_group_size: most peers in one group, unless a round asks for more.
+    :param max_group_size: most peers a round may ask for (``--max-group-size``: the whole-swarm
+        last round of a grid run); default ``target_group_size``.
     :param matchmaking_time: seconds a group leader gathers followers before it starts.
     :param allreduce_timeout: seconds the all-reduce may take once the group formed.
     :param next_chunk_timeout: seconds without a part before a peer counts as failed.
@@ -176,6 +178,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         prefix: str,
         compression: str = "int8",
         target_group_size: int = 4,
+        max_group_size: int | None = None,
         matchmaking_time: float = 5.0,
         allreduce_timeout: float = 60.0,
         next_chunk_timeout: float = 10.0,
@@ -200,6 +203,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self._outcomes = OutcomeBoard()  # our outcomes of recent rounds, asked by their members (confirm.py)
         self._recent_groups: dict[bytes, Any] = {}  # group id -> hivemind GroupInfo, newest last (θ-mixing)
         self._default_target_group_size = target_group_size
+        self._max_group_size = max(target_group_size, max_group_size or target_group_size)
         # [round token, tensors of this round's average written so far]: the token is the node's (one
         # per use of the buffers), the count the averager process's, as the all-gather delivers them
         self._arrivals = torch.zeros(2, dtype=torch.int64).share_memory_()
@@ -308,6 +312,12 @@ class PseudoGradientAverager(DecentralizedAverager):
             del self._recent_groups[next(iter(self._recent_groups))]
         try:
             gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        except BaseException:
+            # our side of the all-reduce failed (hivemind then retries in a new group): the members that
+            # ask whether we keep this round hear "failed" now and are late alike, instead of waiting out
+            # the digest wait for us and applying an average whose Δ we carry on (bench scale, 2026-12-04)
+            self._outcomes.settle(group_info.group_id.hex(), FAILED_MARK)
+            raise
         finally:
             stats = self._round_stats.pop(group_info.group_id.hex(), RoundStats())
             self._round_stats.clear()
@@ -331,7 +341,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             return None
         online = max(len(metas), claims[len(claims) // 2])
         if online > self._default_target_group_size:
-            return None
+            return None  # (a grid run's whole-swarm last round too: its majority quorum keeps it one group)
         return step_quorum_problem([m.get("outer_step") for m in metas], online)
 
     def _judge_members(self, stats: RoundStats) -> None:
@@ -468,7 +478,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         if not (isinstance(bits, str) and len(bits) <= 64 and set(bits) <= {"0", "1"}):
             bits = ""
         # a planned group may hold one more than the cap (grouping.plan_round: nobody averages alone)
-        if not (isinstance(target, int) and not isinstance(target, bool) and 2 <= target <= self._default_target_group_size + 1):
+        if not (isinstance(target, int) and not isinstance(target, bool) and 2 <= target <= self._max_group_size + 1):
             target = self._default_target_group_size
         if not (isinstance(online, int) and not isinstance(online, bool)):
             online = None
@@ -686,8 +696,10 @@ class PseudoGradientAverager(DecentralizedAverager):
         :param moved_on: ``moved_on(peer_ids)`` returns those that finished this round without us (their
             records show a later outer step: they averaged before we arrived); asked with ``gone``, and
             those are dropped alike, so a late peer stops waiting for a group that already ran.
-        :returns: the round's result and the Δ to apply: the group's average when ``ok``,
-            else a copy of ``delta``.
+        :returns: the round's result and the Δ to apply: the group's average when ``ok``, and when
+            the round failed only for want of confirmations (``maybe_kept``: no member contradicted
+            our digest, so those that heard every confirmation keep this very average; applying it
+            too keeps us on their θ_global), else a copy of ``delta``.
         """
         started = time.perf_counter()
         local = [d.detach().to("cpu", torch.float32).clone() for d in delta]
@@ -764,6 +776,10 @@ class PseudoGradientAverager(DecentralizedAverager):
         result.seconds = time.perf_counter() - started
         if problem is not None:
             result.reason = problem
+            if result.maybe_kept:
+                logger.warning(f"Averaging round unconfirmed ({problem}); its average is applied, as the members "
+                               "that heard every confirmation do")
+                return result, averaged
             logger.warning(f"Averaging round failed ({problem}); the average is not used")
             return result, local
         result.ok = True

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from diloco_swarm.averaging.mixing import MixPlan, plan_mix
+from diloco_swarm.averaging.mixing import MAX_MARKS, MixPlan, plan_mix
 
 State = tuple[int, str]  # (outer step, θ_global digest)
 
@@ -23,12 +23,24 @@ State = tuple[int, str]  # (outer step, θ_global digest)
 class ThetaHistory:
     """θ_global of this node's last few outer steps (fp32 CPU copies): the references θ-mixing can
     use. ``keep`` counts the current θ_global (held by the node, not here): ``keep = 1`` stores
-    nothing, which is the default until the swarm averages in groups smaller than itself."""
+    nothing, which is the default until the swarm averages in groups smaller than itself.
+
+    Besides them, an *anchor*: θ_0, the run's initial θ_global, which every peer rebuilds from the
+    run's seed (``models/registry.build``), so every member of any group holds it. It is the
+    reference of last resort, when the members share no later state (a grid run's whole-swarm last
+    round: its pairs never all held one θ_global), in place of a full-state download. Its int8
+    differences grow with the distance from θ_0 (docs/architecture.md)."""
 
     def __init__(self, keep: int = 1):
         self.keep = keep
         self._states: deque[tuple[State, list[torch.Tensor]]] = deque()
+        self._anchor: tuple[State, list[torch.Tensor]] | None = None
         self._lock = threading.Lock()  # the training thread remembers, the averaging thread resizes and reads
+
+    def anchor_on(self, state: State, theta: list[torch.Tensor]) -> None:
+        """Keep a copy of ``theta`` (θ_0, outer step 0) as the anchor, listed before the others."""
+        with self._lock:
+            self._anchor = (state, [t.clone() for t in theta])
 
     def resize(self, keep: int) -> None:
         with self._lock:
@@ -47,14 +59,19 @@ class ThetaHistory:
             self._states.append((state, [t.clone() for t in theta]))
             self._resize(self.keep)
 
-    def states(self) -> list[State]:
-        """The (outer step, digest) pairs held here, newest last."""
+    def states(self, most: int = MAX_MARKS) -> list[State]:
+        """The (outer step, digest) pairs held here: the anchor, then the newest ``most`` − 1 others,
+        newest last."""
         with self._lock:
-            return [state for state, _ in self._states]
+            held = [state for state, _ in self._states if self._anchor is None or state != self._anchor[0]]
+            anchor = [] if self._anchor is None else [self._anchor[0]]
+            room = most - len(anchor)
+            return anchor[:most] + (held[-room:] if room > 0 else [])
 
     def get(self, state: State) -> list[torch.Tensor] | None:
         with self._lock:
-            return next((theta for held, theta in self._states if held == state), None)
+            held = [*self._states, *([self._anchor] if self._anchor is not None else [])]
+            return next((theta for known, theta in held if known == state), None)
 
 
 @dataclass

@@ -527,7 +527,7 @@ class Node(Startup, StateSync, Mixing):
                 self.status.log(f"could not mix θ_global with the group after the round: {e}")
         if outcome.mixed is None and not control.stop.is_set():
             try:
-                outcome.state = self._reconcile(result.gathered, mine, applied=result.ok)
+                outcome.state = self._reconcile(result.gathered, mine, applied=result.ok or result.maybe_kept)
             except Exception as e:  # the DHT or averager did not answer: the round stands, the next one reconciles
                 self.status.log(f"could not compare θ_global with the group after the round: {e}")
         return outcome
@@ -631,6 +631,8 @@ class Node(Startup, StateSync, Mixing):
         The grid rotates with the round number (Moshpit SGD, arXiv 2103.03239), which is the median
         outer step of the online peers' records (ours, when we are ahead): a peer one step behind the
         swarm meets the swarm's round and catches up in it, instead of planning a grid of its own.
+        The last round of a planned run (``--max-outer-steps``) has no grid below ``--max-group-size``:
+        the peers that share that limit meet in one group and mix into one θ_global.
         """
         from diloco_swarm.averaging.grouping import plan_round
 
@@ -645,7 +647,12 @@ class Node(Startup, StateSync, Mixing):
         etas[self.peer_id] = 0.0
         steps = sorted([r.outer_step for r in others.values()] + [handoff.outer_step])
         round_no = max(handoff.outer_step, steps[len(steps) // 2])
-        plan = plan_round(round_no, etas, max_group_size=self.cfg.group_size, grace_s=grace)
+        cap = self.cfg.group_size
+        if 0 < self.cfg.max_outer_steps <= round_no + 1:
+            # the planned run's last round: everyone in one group (up to --max-group-size), whose θ-mixing
+            # against θ_0 (node/mixing.py: the anchor) leaves a grid run on one model
+            cap = self.cfg.max_group_size
+        plan = plan_round(round_no, etas, max_group_size=cap, grace_s=grace)
         _, members = plan.group_of(self.peer_id)
         # a member that crashed moments ago still has a fresh record: ask whether it is there before
         # the round waits for it (clients serve no DHT calls: they cannot be asked)
@@ -653,7 +660,7 @@ class Node(Startup, StateSync, Mixing):
                           stop=self.stop.event)
         if gone and len(plan.groups) == 1:  # (a grid stays as the others see it: they may not know yet)
             etas.update((p, math.inf) for p in gone)
-            plan = plan_round(round_no, etas, max_group_size=self.cfg.group_size, grace_s=grace)
+            plan = plan_round(round_no, etas, max_group_size=cap, grace_s=grace)
             _, members = plan.group_of(self.peer_id)
         last = max((etas[p] for p in members if p not in gone), default=0.0)
         return plan, now + last + ALIGN_SLACK_S, gone
@@ -718,7 +725,8 @@ class Node(Startup, StateSync, Mixing):
         round_step = handoff.outer_step + 1
         # Our Δ is in the swarm's θ_global if a verified average that the swarm kept included it. It may
         # be when a member kept the round while we missed a confirmation (maybe_kept): carrying it then
-        # could apply it twice, so we apply it alone as before and the next round re-syncs us.
+        # could apply it twice, so we apply the round's average (the averager returns it then), as a
+        # member that heard every confirmation does: one θ_global when the confirmations were only slow.
         kept = result.ok and (outcome.state is None or outcome.state.includes_round)
         carry = (not kept and not result.maybe_kept and not outcome.alone and not outcome.stale
                  and (handoff.carried.rounds if handoff.carried else 0) < MAX_CARRIED_ROUNDS)

@@ -115,6 +115,8 @@ class Startup:
         self.eval_model = copy.deepcopy(self.model)  # holds θ_global for evaluation
         self.eval_params = list(self.eval_model.parameters())
         self.outer = OuterOptimizer(self.params, lr=spec.outer_lr, momentum=spec.outer_momentum)
+        if cfg.target_group_size:  # a grid run: θ_0, before any checkpoint, is every member's last-resort mixing reference
+            self.history.anchor_on((0, theta_digest(self.outer.theta)), self.outer.theta)
         self.sync = OuterSync(self.outer, self.params, self._run_round, overlap=spec.sync_mode == "overlap",
                               stop=self.stop.event)
         self.min_inner_steps = max(1, round(spec.inner_steps * MIN_INNER_STEPS_FRACTION))
@@ -160,6 +162,7 @@ class Startup:
             prefix=spec.run_id,
             compression=spec.compression,
             target_group_size=cfg.group_size,
+            max_group_size=cfg.max_group_size,
             matchmaking_time=cfg.matchmaking_time,
             allreduce_timeout=cfg.allreduce_timeout,
             max_norm_ratio=cfg.max_norm_ratio,
