@@ -105,7 +105,7 @@ def test_every_tensor_of_the_average_arrives_under_the_rounds_token_with_the_ver
             assert averager.begin_arrivals() == token + 1 and averager.arrived() == (token + 1, 0)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_a_member_a_step_behind_and_one_at_the_newest_step_never_average_in_a_swarm_of_three():
     # The fault-free 3-peer split (docs/architecture.md): peer 0 a step behind met peer 1's round and,
     # next, peer 2's, and two verified averages made two θ_global of one outer step. Every member reads
@@ -127,18 +127,24 @@ def test_a_member_a_step_behind_and_one_at_the_newest_step_never_average_in_a_sw
         assert not any(r.ok for r in results[:2]), [(r.group_size, r.reason) for r in results[:2]]
         assert all("may advance" in r.reason for r in results[:2]), [r.reason for r in results[:2]]
 
-        # the same pair, and peer 2 at the newest step joining 3 s later: a round forms with peer 2 in it
-        results = [None] * 3
-        threads = [threading.Thread(target=run, args=(i, step, 30.0), daemon=True) for i, step in ((0, 3), (1, 4))]
-        for t in threads:
-            t.start()
-        time.sleep(3.0)
-        threads.append(threading.Thread(target=run, args=(2, 4, 30.0), daemon=True))
-        threads[-1].start()
-        for t in threads:
-            t.join(timeout=90.0)
-        assert all(r is not None for r in results), "a round did not end"
-        kept = [r for r in results if r.ok]
+        # the same pair, and peer 2 at the newest step joining 3 s later: a round forms with peer 2 in it.
+        # One more try when no round was kept: under load hivemind's matchmaking can drop a member from the
+        # group its leader assembled, and the other two then run a partial round (CI, 2026-12-04); the
+        # node's next round tries again the same way
+        for attempt in range(2):
+            results = [None] * 3
+            threads = [threading.Thread(target=run, args=(i, step, 30.0), daemon=True) for i, step in ((0, 3), (1, 4))]
+            for t in threads:
+                t.start()
+            time.sleep(3.0)
+            threads.append(threading.Thread(target=run, args=(2, 4, 30.0), daemon=True))
+            threads[-1].start()
+            for t in threads:
+                t.join(timeout=90.0)
+            assert all(r is not None for r in results), "a round did not end"
+            kept = [r for r in results if r.ok]
+            if kept:
+                break
         assert len(kept) >= 2 and len({r.digest for r in kept}) == 1, [(r.group_size, r.reason) for r in results]
         for r in kept:  # every kept round holds both peers at the newest step
             assert {averagers[1].peer_id.to_base58(), averagers[2].peer_id.to_base58()} <= set(r.group_peer_ids), r

@@ -341,7 +341,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             return None
         online = max(len(metas), claims[len(claims) // 2])
         if online > self._default_target_group_size:
-            return None  # (a grid run's whole-swarm last round too: its majority quorum keeps it one group)
+            return None  # (a grid run's whole-swarm last round too: a split there is settled at the run's end, node/statesync.py)
         return step_quorum_problem([m.get("outer_step") for m in metas], online)
 
     def _judge_members(self, stats: RoundStats) -> None:
