@@ -39,7 +39,6 @@ class FakeAverager:
     - ``("unconfirmed", avg)``: its average ``avg``, confirmed by us, not by every member (``maybe_kept``);
     - ``"fail"``: the group's round fails (others are online: a late round); our own Δ comes back;
     - ``"alone"``: no other peer is online; our own Δ comes back;
-    - ``"unconfirmed"``: we confirmed the average, a member stayed silent; our own Δ comes back;
     - ``"looking"``: no group until ``give_up`` (then a solo round);
     - ``"hang"``: never returns until ``stop``.
     """
