@@ -27,6 +27,7 @@ from diloco_swarm.node.redial import gone_peers
 
 SHAPES = [(1024, 256), (256,)]
 SLOW_MEMBER_S = 120.0  # the time bounds for slow members in these tests: a survivor that waits them out fails
+SURVIVORS_DONE_WAIT_S = 30.0  # the crashing member waits this long at most for the survivors' all-reduce
 
 
 def _crash(pids: list[int]) -> None:
@@ -37,18 +38,38 @@ def _crash(pids: list[int]) -> None:
             pass
 
 
+class ReachesCrossCheck(PseudoGradientAverager):
+    """A survivor: says when its all-reduce is done and checked (it begins the digest cross-check)."""
+
+    all_reduce_done: list[threading.Event] = []  # one per survivor, in creation order
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._done = threading.Event()
+        ReachesCrossCheck.all_reduce_done.append(self._done)
+
+    def _cross_check(self, stats, result, digest_wait, stop=None, gone=None):
+        self._done.set()
+        return super()._cross_check(stats, result, digest_wait, stop, gone)
+
+
 class CrashAfterAllReduce(PseudoGradientAverager):
-    """Crashes (its averager process, its DHT process and their p2pd) once its all-reduce is done,
-    before confirming the average."""
+    """Crashes (its averager process, its DHT process and their p2pd) once the all-reduce is done on
+    every member, before confirming the average. Its own all-reduce ends when it holds every averaged
+    part, which may be before its averaged part reached the others (CI saw that: a partial round,
+    which no member may keep, so not this case); it waits for the survivors, bounded."""
 
     crash_pids: list[int] = []
 
     def _cross_check(self, stats, result, digest_wait, stop=None, gone=None):
+        for done in ReachesCrossCheck.all_reduce_done:
+            done.wait(SURVIVORS_DONE_WAIT_S)
         _crash([self.pid, *self.crash_pids])
         return "crashed"
 
 
-CrashAfterAllReduce.__name__ = CrashAfterAllReduce.__qualname__ = PseudoGradientAverager.__name__  # RPC names follow it
+for cls in (ReachesCrossCheck, CrashAfterAllReduce):
+    cls.__name__ = cls.__qualname__ = PseudoGradientAverager.__name__  # RPC names follow it
 
 
 def _delta(seed: int) -> list[torch.Tensor]:
@@ -78,7 +99,8 @@ def _three_averagers(dhts, averagers: list, prefix: str, third: type | None = Ps
     for slow members that a survivor fails if it waits them out."""
     kwargs = dict(prefix=prefix, target_group_size=3, matchmaking_time=3.0,
                   allreduce_timeout=SLOW_MEMBER_S, next_chunk_timeout=SLOW_MEMBER_S / 2)
-    averagers += [PseudoGradientAverager([torch.zeros(s) for s in SHAPES], dht, **kwargs) for dht in dhts[:2]]
+    ReachesCrossCheck.all_reduce_done = []
+    averagers += [ReachesCrossCheck([torch.zeros(s) for s in SHAPES], dht, **kwargs) for dht in dhts[:2]]
     if third is not None:
         averagers.append(third([torch.zeros(s) for s in SHAPES], dhts[2], **kwargs))
 

@@ -977,7 +977,7 @@ class Node(Startup, StateSync, Mixing):
         self.cfg.debug_dump_rounds.mkdir(parents=True, exist_ok=True)
         torch.save({"outer_step": handoff.outer_step, "peer_id": self.peer_id, "ok": result.ok, "weight": tokens,
                     "group": result.group_peer_ids, "group_id": result.group_id, "reason": result.reason,
-                    "late": late, "carried_rounds": handoff.carried.rounds if handoff.carried else 0,
+                    "maybe_kept": result.maybe_kept, "late": late, "carried_rounds": handoff.carried.rounds if handoff.carried else 0,
                     "local": [d.detach().cpu().clone() for d in local], "applied": [a.detach().cpu().clone() for a in applied]},
                    self.cfg.debug_dump_rounds / f"{handoff.outer_step}-{self.peer_id}-"
                                                 f"{result.group_id[:12] or 'solo'}-{int(time.time() * 1000)}.pt")

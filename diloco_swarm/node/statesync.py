@@ -30,6 +30,9 @@ EVIDENCE_QUORUM = 2  # distinct signing keys whose records must back a claim bef
 EVIDENCE_RETRY_S = 0.5  # a fresh round's output may take a moment to reach its members' records
 FINISH_LINGER_S = 120.0  # at --max-outer-steps, a node serves its state this long at most to peers still behind
 LINGER_POLL_S = 1.0  # ... and re-reads their records this often
+# ... and counts a silent peer gone after this many probes in a row went unanswered: one ping that hangs
+# past its 1 s bound on a loaded host (CI: 3 nodes on 2 cores) is no crash, and the wait is 120 s long
+LINGER_GONE_AFTER_MISSES = 3
 
 
 @dataclass
@@ -259,8 +262,9 @@ class StateSync:
           their own θ_global. We wait for those whose live record is behind, and for the peers we
           saw in the last 2 minutes whose record then expired (3 re-signing periods) while their
           process still answers a ping: a node paused or starved for longer than that, or restarted,
-          is still coming. One that said goodbye left; one whose ping fails crashed or left; a client
-          cannot be asked, so its expired record ends the wait for it.
+          is still coming. One that said goodbye left; one whose ping fails (or hangs past its bound)
+          :data:`LINGER_GONE_AFTER_MISSES` times in a row crashed or left; a client cannot be asked,
+          so its expired record ends the wait for it.
         - **Peers at our step on another θ_global** (the last round failed its confirmation, e.g. a
           member stopped before it confirmed, and each member applied its own Δ): the canonical
           state among them (:func:`canonical_state`, the rule of a round's members) wins; we download
@@ -278,6 +282,7 @@ class StateSync:
         deadline, said, synced = time.monotonic() + FINISH_LINGER_S, False, False
         # peer id -> (its outer step, its record's owner, whether it answers pings); None: not known
         behind: dict[str, tuple[int | None, str | None, bool]] = {p: (None, None, True) for p in self._recent_peers}
+        misses: dict[str, int] = {}  # silent peer -> its unanswered probes in a row
         while not self.stop.requested and time.monotonic() < deadline:
             entries = read_peer_entries(self.dht, self.spec.run_id)
             if entries is None:  # the DHT did not answer: nobody can find us either
@@ -302,9 +307,12 @@ class StateSync:
                 if owner in farewells or not askable:
                     del behind[p]
             silent = [p for p in behind if p not in records]
-            # a ping that hangs counts as gone here: a peer that left leaves an address that may never answer
-            for p in gone_peers(self.dht, silent, stop=self.stop.event, only_answers_count=True):
-                behind.pop(p, None)
+            # a ping that hangs counts as a miss here: a peer that left leaves an address that may never answer
+            unanswered = gone_peers(self.dht, silent, stop=self.stop.event, only_answers_count=True)
+            for p in silent:
+                misses[p] = misses.get(p, 0) + 1 if p in unanswered else 0
+                if misses[p] >= LINGER_GONE_AFTER_MISSES:
+                    behind.pop(p, None)
             if others:
                 evidence = gather_evidence(entries, self.peer_id, self.outer_step, self.stats.theta_marks.copy())
                 holders = self._holders_of_canonical(others, mine, evidence)
