@@ -238,11 +238,15 @@ def test_a_peer_paused_past_its_records_lifetime_at_the_end_still_ends_on_the_sw
             swarm.wait(lambda: any(e["outer_step"] == last - 1 for e in c.events("averaging_start")), 240,
                        "c handed off its last phase", c)
         c.proc.send_signal(signal.SIGSTOP)
-        paused = time.monotonic()
+        paused, paused_wall = time.monotonic(), time.time()
         try:
             swarm.wait(lambda: any("this final state" in n.output() for n in (a, b)), 120, "a and b wait for c")
             time.sleep(max(0.0, paused + RECORD_LIFETIME_S + 10 - time.monotonic()))  # c's record has expired
-            assert a.alive() and b.alive(), (a.output()[-2000:], b.output()[-2000:])
+            # under load the last round may end before the signal lands: c then holds their state and
+            # a and b rightly leave once its record says so
+            ended_before_pause = any(r["outer_step"] == last and r["time"] < paused_wall for r in c.outer_steps())
+            assert ended_before_pause or (a.alive() and b.alive()), \
+                f"--- a\n{a.output()[-3000:]}\n--- b\n{b.output()[-3000:]}"
         finally:
             c.proc.send_signal(signal.SIGCONT)
         for node in (a, b, c):

@@ -30,9 +30,10 @@ EVIDENCE_QUORUM = 2  # distinct signing keys whose records must back a claim bef
 EVIDENCE_RETRY_S = 0.5  # a fresh round's output may take a moment to reach its members' records
 FINISH_LINGER_S = 120.0  # at --max-outer-steps, a node serves its state this long at most to peers still behind
 LINGER_POLL_S = 1.0  # ... and re-reads their records this often
-# ... and counts a silent peer gone after this many probes in a row went unanswered: one ping that hangs
-# past its 1 s bound on a loaded host (CI: 3 nodes on 2 cores) is no crash, and the wait is 120 s long
-LINGER_GONE_AFTER_MISSES = 3
+# ... and counts a silent peer gone (or its own DHT lost) once every probe (read) failed or hung for this
+# long: pings that hang past their 1 s bound for a few seconds on a loaded host are no crash (CI saw
+# finishers leave a paused peer behind on 1 miss, then on 3 in a row), and the wait is 120 s long
+LINGER_GONE_AFTER_S = 10.0
 
 
 @dataclass
@@ -262,9 +263,9 @@ class StateSync:
           their own θ_global. We wait for those whose live record is behind, and for the peers we
           saw in the last 2 minutes whose record then expired (3 re-signing periods) while their
           process still answers a ping: a node paused or starved for longer than that, or restarted,
-          is still coming. One that said goodbye left; one whose ping fails (or hangs past its bound)
-          :data:`LINGER_GONE_AFTER_MISSES` times in a row crashed or left; a client cannot be asked,
-          so its expired record ends the wait for it.
+          is still coming. One that said goodbye left; one whose pings all fail (or hang past their
+          bound) for :data:`LINGER_GONE_AFTER_S` crashed or left; a client cannot be asked, so its
+          expired record ends the wait for it. A DHT that answers no read for as long ends the wait.
         - **Peers at our step on another θ_global** (the last round failed its confirmation, e.g. a
           member stopped before it confirmed, and each member applied its own Δ): the canonical
           state among them (:func:`canonical_state`, the rule of a round's members) wins; we download
@@ -282,11 +283,17 @@ class StateSync:
         deadline, said, synced = time.monotonic() + FINISH_LINGER_S, False, False
         # peer id -> (its outer step, its record's owner, whether it answers pings); None: not known
         behind: dict[str, tuple[int | None, str | None, bool]] = {p: (None, None, True) for p in self._recent_peers}
-        misses: dict[str, int] = {}  # silent peer -> its unanswered probes in a row
+        unanswered_since: dict[str, float] = {}  # silent peer -> when its first probe of a failing run ended
+        unread_since: float | None = None  # when the first DHT read of a failing run ended
         while not self.stop.requested and time.monotonic() < deadline:
             entries = read_peer_entries(self.dht, self.spec.run_id)
-            if entries is None:  # the DHT did not answer: nobody can find us either
-                return
+            if entries is None:  # the DHT did not answer: for long, nobody can find us either
+                unread_since = time.monotonic() if unread_since is None else unread_since
+                if time.monotonic() - unread_since >= LINGER_GONE_AFTER_S:
+                    return
+                self.stop.event.wait(LINGER_POLL_S)
+                continue
+            unread_since = None
             records = live_records(entries)
             others: dict[str, str] = {}  # peer id -> the θ digest it holds at our step, when not ours
             mine = self._global_digest()
@@ -309,9 +316,12 @@ class StateSync:
             silent = [p for p in behind if p not in records]
             # a ping that hangs counts as a miss here: a peer that left leaves an address that may never answer
             unanswered = gone_peers(self.dht, silent, stop=self.stop.event, only_answers_count=True)
+            probed = time.monotonic()
+            unanswered_since = {p: t for p, t in unanswered_since.items() if p in silent}
             for p in silent:
-                misses[p] = misses.get(p, 0) + 1 if p in unanswered else 0
-                if misses[p] >= LINGER_GONE_AFTER_MISSES:
+                if p not in unanswered:
+                    unanswered_since.pop(p, None)
+                elif probed - unanswered_since.setdefault(p, probed) >= LINGER_GONE_AFTER_S:
                     behind.pop(p, None)
             if others:
                 evidence = gather_evidence(entries, self.peer_id, self.outer_step, self.stats.theta_marks.copy())
