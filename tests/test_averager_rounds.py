@@ -258,3 +258,52 @@ def test_a_member_that_missed_a_confirmation_applies_the_average_its_partner_kee
         assert not impatient.ok and impatient.maybe_kept and "did not confirm" in impatient.reason, impatient
         for got, want in zip(average, kept):
             assert torch.equal(got, want)
+
+
+class SeesCancelLate(PseudoGradientAverager):
+    """Reads its step as live the first time it asks after the node cancelled it, as when the group it
+    looked for formed in the same moment (hivemind's ``_step`` then runs that group's all-reduce)."""
+
+    async def _step(self, *, step, future_for_init):
+        cancelled, asked = step.cancelled, []
+
+        def cancelled_once_late() -> bool:
+            if not asked and step._cancel is not None and step._cancel.done():
+                asked.append(True)
+                return False
+            return cancelled()
+
+        step.cancelled = cancelled_once_late
+        return await super()._step(step=step, future_for_init=future_for_init)
+
+
+SeesCancelLate.__name__ = SeesCancelLate.__qualname__ = PseudoGradientAverager.__name__  # RPC names follow it
+GIVE_UP_AFTER_S = 4.0
+ROUND_BEGINS_IN_S = 10.0
+
+
+@pytest.mark.timeout(120)
+def test_a_member_that_left_the_round_while_its_group_formed_never_has_its_delta_applied():
+    # A NAT test's dumps: a member gave up its round ("the other planned members averaged without
+    # us"), yet its averager ran the group's all-reduce 15 s later. The others waited out the digest
+    # wait for its confirmation and applied the average holding its Δ, which it carried on into its
+    # next round: its Δ counted twice. It now says "failed" in-band: the others are late, on their own Δ.
+    with _averagers("left-round", 4, (False, False, False), types=(PseudoGradientAverager,) * 2 + (SeesCancelLate,)) \
+            as averagers:
+        results: list = [None] * 3
+        begins, give_up = time.time() + ROUND_BEGINS_IN_S, threading.Event()
+
+        def run(i: int) -> None:  # a planned group of 4 that only 3 join: the leader waits until it begins
+            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={}, timeout=25.0, scheduled_time=begins,
+                                              group_size=4, give_up=give_up if i == 2 else None)
+
+        threading.Timer(GIVE_UP_AFTER_S, give_up.set).start()
+        _on_threads(run, 3)
+        (left, _) = results[2]
+        assert not left.ok and left.reason == "no group before the next inner phase ended", left
+        for i in (0, 1):
+            result, delta = results[i]
+            assert result.group_size == 3, result  # the member that left still ran the all-reduce
+            assert not result.ok and not result.maybe_kept, result
+            for got, own in zip(delta, _delta(i)):  # late: its own Δ comes back, to be carried
+                assert torch.equal(got, own)

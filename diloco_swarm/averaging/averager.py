@@ -74,6 +74,20 @@ logging.getLogger("hivemind.averaging.averager").addFilter(_QuietExpectedFailure
 _STILL_LOOKING = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
 
 
+def _cancel_step(control) -> None:
+    """``StepControl.cancel()`` in an order without hivemind's race (1.1.12): its ``cancel`` wakes the
+    averager process (the ``_cancel`` future) before it marks the step cancelled, so the averager could
+    read the step as live, go on with the group it then found and run its all-reduce after the node had
+    left the round: a member that never confirms, and whose Δ it carries on while the others apply it
+    (seen in a NAT test's dumps; 1 in ~15 give-ups in a 3-averager reproduction). The shared state first."""
+    MPFuture.cancel(control)
+    if control._trigger is not None:
+        control._trigger.cancel()
+    if control._cancel is not None and not control._cancel.done():
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            control._cancel.set_result(None)
+
+
 def _log_declare_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.debug(f"declaring this peer as a state donor failed: {task.exception()!r}")
@@ -198,6 +212,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self._banned_peers: set[str] = set()  # lives in the averager process
         self._avoided_peers: dict[str, float] = {}  # peer id -> time.monotonic() until which we avoid it
         self._refused_group: str | None = None  # why the last group of the step in flight was refused
+        self._step_in_flight = None  # the StepControl of the round in flight, in the averager process
         self._refusals: dict[str, list[float]] = {}  # peer id -> when it refused our valid part (monotonic)
         self._reachability = Responder()  # answers dial-back checks (public peers only)
         self._outcomes = OutcomeBoard()  # our outcomes of recent rounds, asked by their members (confirm.py)
@@ -312,6 +327,12 @@ class PseudoGradientAverager(DecentralizedAverager):
             del self._recent_groups[next(iter(self._recent_groups))]
         try:
             gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+            step = self._step_in_flight
+            if step is not None and step.cancelled():
+                # the node left this round while its group formed or ran (a stop; or a give-up that met the
+                # group's start): the others get every part, and hear that we keep nothing of it, so nobody
+                # applies an average whose Δ we carry on, and nobody waits out the digest wait for us
+                self._outcomes.settle(group_info.group_id.hex(), FAILED_MARK)
         except BaseException:
             # our side of the all-reduce failed (hivemind then retries in a new group): the members that
             # ask whether we keep this round hear "failed" now and are late alike, instead of waiting out
@@ -448,6 +469,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             matchmaking.group_key_manager.update_key_on_group_assembled = keep_our_key
             matchmaking._skips_avoided_leaders = True
         self._refused_group = None
+        self._step_in_flight = step  # its cancellation is read once its all-reduce ran (_aggregate_with_group)
         set_exception = step.set_exception
 
         def explain_refusals(e):  # a round that ends without a group after refusing one says why
@@ -731,19 +753,19 @@ class PseudoGradientAverager(DecentralizedAverager):
                     break
                 except TimeoutError:
                     if stop is not None and stop.is_set():
-                        control.cancel()
+                        _cancel_step(control)
                         return self._solo(started, reason="stopping"), local
                     if give_up is not None and give_up.is_set() and control.stage in _STILL_LOOKING:
-                        control.cancel()
+                        _cancel_step(control)
                         return self._solo(started, reason="no group before the next inner phase ended"), local
                     if not self.is_alive() or time.monotonic() > deadline:
                         with contextlib.suppress(Exception):
-                            control.cancel()
+                            _cancel_step(control)
                         why = "the averager process is gone" if not self.is_alive() else "the averager did not answer"
                         return self._solo(started, reason=why), local
                     if control.stage in _STILL_LOOKING and late.drop_gone():
                         if late.size < 2:  # nobody planned is left to average with: do not wait out the window
-                            control.cancel()
+                            _cancel_step(control)
                             why = ("the other planned members averaged without us (we were late)" if late.moved
                                    else "the other planned members are gone")
                             return self._solo(started, reason=why), local
