@@ -336,7 +336,8 @@ class StateSync:
                     continue
             if not behind and not others:
                 return
-            if not said:
+            # a silent peer is named once it answered: one that just left (its goodbye unseen) never does
+            if not said and (others or any(p in records or p not in unanswered for p in behind)):
                 said = True
                 n = len(behind) + len(others)
                 who, it = ("1 peer is", "it") if n == 1 else (f"{n} peers are", "them")
