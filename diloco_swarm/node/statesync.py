@@ -32,7 +32,8 @@ FINISH_LINGER_S = 120.0  # at --max-outer-steps, a node serves its state this lo
 LINGER_POLL_S = 1.0  # ... and re-reads their records this often
 # ... and counts a silent peer gone (or its own DHT lost) once every probe (read) failed or hung for this
 # long: pings that hang past their 1 s bound for a few seconds on a loaded host are no crash (CI saw
-# finishers leave a paused peer behind on 1 miss, then on 3 in a row), and the wait is 120 s long
+# finishers leave a paused peer behind on 1 hung ping, and once more under a 3-in-a-row rule), and the
+# wait is 120 s long
 LINGER_GONE_AFTER_S = 10.0
 
 
