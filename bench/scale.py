@@ -29,7 +29,11 @@ Reported per configuration, from the nodes' metrics records (docs/metrics.md):
   step, the one it downloaded when its last round ended in a state sync: the node always evaluates there), their spread max/min − 1, and the mean over the peers
   ÷ the default configuration's mean. The last round of a planned run is one group in every
   configuration (node/runner.py), so the spread one outer step earlier is reported beside it: what
-  the groups' mixing alone left.
+  the groups' mixing alone left;
+- *mean ÷ default at equal tokens*: runs of equal outer steps need not train equal tokens (DyLU and
+  overlapped phases size each phase by how long rounds take), so a grid run's mean final loss is also
+  divided by the default run's mean loss at the grid run's tokens (:func:`loss_at_tokens` on the
+  default's curve of per-step means; not measured when the grid run trained more tokens).
 
 Targets (issue 13): default: one lineage at every outer step and no ``diverged`` download (a calm
 run); group sizes 4 and 2: no split window (above), state-sync bytes
@@ -39,6 +43,7 @@ mean within 2% of the default's.
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 import tempfile
@@ -162,6 +167,16 @@ def analyse(records_by_peer: list[list[dict[str, Any]]]) -> dict[str, Any]:
     before = [next((e["eval_loss"] for e in x if e["outer_step"] == end_step - 1 and e.get("eval_loss") is not None
                     and e.get("eval_outer_step") == end_step - 1), None) for x in steps]
     before = [v for v in before if v is not None]
+    # mean held-out loss against the swarm's tokens at each outer step that every peer evaluated
+    # (runs of equal outer steps need not train equal tokens), for the comparison at equal tokens
+    curve = []
+    for s in range(1, end_step):
+        at = [next((e for e in x if e["outer_step"] == s), None) for x in steps]
+        if all(e is not None and e.get("eval_outer_step") == s and e.get("eval_loss") is not None for e in at):
+            curve.append([s, sum(e.get("tokens_total") or 0 for e in at), sum(e["eval_loss"] for e in at) / len(at)])
+    tokens_total = sum((x[-1].get("tokens_total") or 0) if x else 0 for x in steps)
+    if len(losses) == len(finals) and losses:
+        curve.append([end_step, tokens_total, sum(losses) / len(losses)])
     return {
         "rounds": len(rounds),
         "rounds_ok": sum(1 for r in rounds.values() if r["ok"]),
@@ -180,7 +195,8 @@ def analyse(records_by_peer: list[list[dict[str, Any]]]) -> dict[str, Any]:
         "loss_spread": max(losses) / min(losses) - 1 if losses else None,
         "loss_spread_before_last": max(before) / min(before) - 1 if len(before) >= 2 else None,
         "mean_final_loss": sum(losses) / len(losses) if losses else None,
-        "tokens_total": sum((x[-1].get("tokens_total") or 0) if x else 0 for x in steps),
+        "tokens_total": tokens_total,
+        "loss_curve": curve,
         "peers": [{"outer_steps": len(x), "group_sizes": [e.get("group_size") for e in x],
                    "inner_steps": [e.get("inner_steps") for e in x],
                    "rounds_ok": sum(1 for e in x if e.get("round_ok")),
@@ -188,6 +204,18 @@ def analyse(records_by_peer: list[list[dict[str, Any]]]) -> dict[str, Any]:
                                    for e in recs if e.get("event") == "state_sync"]}
                   for x, recs in zip(steps, records_by_peer)],
     }
+
+
+def loss_at_tokens(curve: list[list[float]], tokens: float) -> float | None:
+    """The mean held-out loss of a ``curve`` ``[[outer step, swarm tokens, mean loss], ...]`` at ``tokens``,
+    linear in log(tokens) between its two outer steps around it; None outside the curve."""
+    exact = [loss for _, t, loss in curve if t == tokens]
+    if exact:
+        return exact[-1]
+    for (_, t0, l0), (_, t1, l1) in zip(curve, curve[1:]):
+        if 0 < t0 < tokens < t1:
+            return l0 + (l1 - l0) * (math.log(tokens) - math.log(t0)) / (math.log(t1) - math.log(t0))
+    return None
 
 
 def run_config(cfg: dict[str, Any], label: str, tag: str) -> dict[str, Any]:
@@ -225,6 +253,10 @@ def run(size: str) -> dict[str, Any]:
     for c in configs.values():
         mean = c.get("mean_final_loss")
         c["loss_vs_default"] = mean / base if mean is not None and base else None
+        # the default run (one model at every step) read at this run's tokens: a grid run's own steps before
+        # its last, whole-swarm round are its groups' separate θ_global, not one model
+        at = loss_at_tokens(configs["default"].get("loss_curve") or [], c.get("tokens_total") or 0)
+        c["loss_vs_default_equal_tokens"] = mean / at if mean is not None and at else None
     from diloco_swarm.models import build_model, num_parameters
 
     result = {"config": cfg, "matchmaking_time": MATCHMAKING_S, "averaging_window": AVERAGING_WINDOW_S,
@@ -240,10 +272,11 @@ def _f(x, spec=".2f"):
 
 
 def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per target of the issue: configuration, target, the measured figure, met (bool)."""
+    """One row per target of the issue: configuration, target, the measured figure, met (bool; None when
+    this run could not measure it)."""
     out = []
 
-    def add(label: str, target: str, figure: str, met: bool) -> None:
+    def add(label: str, target: str, figure: str, met: bool | None) -> None:  # None: not measured
         out.append({"config": label, "target": target, "figure": figure, "met": met})
 
     for label, c in result["configs"].items():
@@ -271,8 +304,16 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
             f"spread {_f(c['loss_spread'], '.2%')}; {_f(c.get('loss_spread_before_last'), '.2%')} a round before the "
             "end (the last round is one group)", c["loss_spread"] is not None and c["loss_spread"] <= SPREAD_MAX)
         vs = c.get("loss_vs_default")
-        add(label, f"mean final held-out loss within {VS_DEFAULT_MAX:.0%} of the default's",
-            f"{_f(vs, '.4f')}× the default's", vs is not None and abs(vs - 1) <= VS_DEFAULT_MAX)
+        add(label, f"mean final held-out loss within {VS_DEFAULT_MAX:.0%} of the default's (at the same outer step)",
+            f"{_f(vs, '.4f')}× the default's, with {human_count(c['tokens_total'])} tokens against "
+            f"{human_count(result['configs']['default'].get('tokens_total') or 0)}",
+            vs is not None and abs(vs - 1) <= VS_DEFAULT_MAX)
+        eq = c.get("loss_vs_default_equal_tokens")
+        beyond = (c.get("tokens_total") or 0) > (result["configs"]["default"].get("tokens_total") or 0)
+        add(label, f"mean final held-out loss within {VS_DEFAULT_MAX:.0%} of the default's at equal tokens (the "
+            "default's curve at this run's tokens)", f"{_f(eq, '.4f')}× the default's" if eq is not None else
+            "not measured: this run trained more tokens than the default's whole run (the same-step ratio favours "
+            "it)" if beyond else "not measured", None if eq is None else abs(eq - 1) <= VS_DEFAULT_MAX)
     return out
 
 
@@ -280,7 +321,7 @@ def _rows(result: dict[str, Any]) -> list[list[Any]]:
     rows = []
     for label, c in result["configs"].items():
         if "error" in c:
-            rows.append([label, c["target_group_size"] or "whole swarm", "did not finish", *["–"] * 11])
+            rows.append([label, c["target_group_size"] or "whole swarm", "did not finish", *["–"] * 12])
             continue
         hist = " ".join(f"{k}×{v}" for k, v in c["group_size_hist"].items()) or "–"
         sync = " + ".join(f"{human_bytes(c['sync_bytes'][k])} ({c['sync_count'][k]})" for k in ("diverged", "lagging"))
@@ -290,7 +331,9 @@ def _rows(result: dict[str, Any]) -> list[list[Any]]:
                      f"{sync} vs {human_bytes(c['averaging_bytes_received'])}: {_f(c['resync_share'], '.1%')}",
                      human_count(c["tokens_total"]),
                      " ".join(_f(v, ".4f") for v in c["final_eval_loss"]), _f(c["loss_spread"], ".2%"),
-                     _f(c.get("loss_spread_before_last"), ".2%"), f"{_f(c.get('loss_vs_default'), '.4f')}×"])
+                     _f(c.get("loss_spread_before_last"), ".2%"),
+                     *(f"{_f(c.get(k), '.4f')}×" if c.get(k) is not None else "–"
+                       for k in ("loss_vs_default", "loss_vs_default_equal_tokens"))])
     return rows
 
 
@@ -298,12 +341,16 @@ HEADERS = ["config", "group size", "rounds verified/all", "group sizes (size×ro
            "lineages per outer step", "longest run of 2+ lineages (steps)", "split windows",
            "state-sync bytes diverged + lagging (downloads) vs averaging bytes", "tokens trained (all peers)",
            "final held-out loss per peer",
-           "spread", "spread a round before the end", "mean ÷ default"]
+           "spread", "spread a round before the end", "mean ÷ default", "mean ÷ default at equal tokens"]
+
+
+def _verdict(met: bool | None) -> str:
+    return "n/a" if met is None else "met" if met else "**missed**"
 
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
     lines = md_table(HEADERS, _rows(result)).splitlines()
-    lines += [f"{v['config']}: {v['target']}: {'met' if v['met'] else 'MISSED'} ({v['figure']})"
+    lines += [f"{v['config']}: {v['target']}: {_verdict(v['met']).strip('*').upper()} ({v['figure']})"
               for v in verdicts(result)]
     return lines
 
@@ -316,8 +363,8 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         f"hold a majority of the online peers), **group-4** (`--target-group-size 4`), **group-2** "
         f"(`--target-group-size 2`). Model `{cfg['model']}` ({result['params']:,} parameters), H = {cfg['H']}, "
         f"seq_len {cfg['seq_len']}, batch {cfg['batch']}, int8, overlapped rounds, {cfg['outer_steps']} outer steps, "
-        f"matchmaking {result['matchmaking_time']} s, `--wait-for-peers {cfg['peers']} --threads 1 --eval-budget 0` "
-        f"(the held-out loss is always taken at the last outer step).\n",
+        f"matchmaking {result['matchmaking_time']} s, `--wait-for-peers {cfg['peers']} --threads 1 --eval-budget 1` "
+        f"(the held-out loss is taken at every outer step).\n",
         "*Rounds*: distinct rounds (by hivemind's group id) with ≥ 2 members in any peer's records; verified = every "
         "member's record says `round_ok`. *Lineages per outer step*: distinct θ_global digests held at the end of "
         "each outer step by the peers that reached it (a round's `theta_digest`, or the digest of a state adopted "
@@ -330,11 +377,13 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         "rounds. *Tokens trained*: Σ `tokens_total` of the peers at their last step (DyLU sizes each inner phase "
         "between H/4 and 2H by the peers' speeds, and an overlapped phase runs on while its round is in flight, so runs of equal outer steps need not train equal tokens: read "
         "*mean ÷ default* with it). *Spread*: max/min − 1 of the peers' final held-out losses; *mean ÷ default*: "
-        "their mean over the default run's.\n",
+        "their mean over the default run's; *at equal tokens*: over the default run's mean held-out loss at this "
+        "run's tokens trained (the default's means at each outer step against its swarm tokens, linear in "
+        "log(tokens) between the two outer steps around it; not measured when this run trained more tokens).\n",
         md_table(HEADERS, _rows(result)),
         "\nTargets (issue 13):\n",
         md_table(["config", "target", "measured", "verdict"],
-                 [[v["config"], v["target"], v["figure"], "met" if v["met"] else "**missed**"]
+                 [[v["config"], v["target"], v["figure"], _verdict(v["met"])]
                   for v in verdicts(result)]),
     ]
     for note in result.get("notes", []):  # a reading of the run, added to its JSON afterwards

@@ -193,8 +193,27 @@ def _check_scale(result: dict, text: str) -> None:
         assert all(loss is not None and loss > 0 for loss in c["final_eval_loss"]), (label, c["final_eval_loss"])
         assert c["averaging_bytes_received"] > 0 and c["resync_share"] is not None
     assert result["configs"]["default"]["loss_vs_default"] == 1.0
-    assert [v["config"] for v in result["verdicts"]] == ["default"] * 2 + ["group-4"] * 4 + ["group-2"] * 4
+    assert result["configs"]["default"]["loss_vs_default_equal_tokens"] == pytest.approx(1.0)
+    assert [v["config"] for v in result["verdicts"]] == ["default"] * 2 + ["group-4"] * 5 + ["group-2"] * 5
     assert "<!-- bench:scale size=smoke -->" in text and "lineages per outer step" in text
+
+
+def test_scale_compares_at_equal_tokens_along_the_default_curve():
+    from bench.scale import loss_at_tokens, verdicts
+
+    curve = [[1, 100, 3.0], [2, 200, 2.5], [3, 400, 2.2]]
+    assert loss_at_tokens(curve, 200) == 2.5 and loss_at_tokens(curve, 400) == 2.2
+    assert loss_at_tokens(curve, 100 * 2 ** 0.5) == pytest.approx(2.75)  # halfway in log(tokens)
+    assert loss_at_tokens(curve, 401) is None and loss_at_tokens(curve, 99) is None  # no extrapolation
+    assert loss_at_tokens([], 100) is None and loss_at_tokens([[3, 50, 4.0]], 50) == 4.0
+    # a run that trained more tokens than the default's whole run is not measured (n/a), not missed
+    ok = {"lineages": [[1, 2, 1]], "sync_count": {"diverged": 0}, "split_windows": [], "rounds_ok": 1,
+          "resync_share": 0.0, "resync_bytes": 0, "averaging_bytes_received": 1, "loss_spread": 0.0}
+    result = {"configs": {"default": {**ok, "tokens_total": 400, "loss_vs_default": 1.0},
+                          "group-2": {**ok, "tokens_total": 500, "loss_vs_default": 0.99,
+                                      "loss_vs_default_equal_tokens": None}}}
+    last = verdicts(result)[-1]
+    assert last["met"] is None and "more tokens" in last["figure"]
 
 
 def test_scale_counts_lineages_syncs_and_rounds_from_records():
@@ -224,3 +243,4 @@ def test_scale_counts_lineages_syncs_and_rounds_from_records():
     assert got["solo_rounds"] == 1 and got["sync_bytes"]["diverged"] == 30 and got["sync_count"]["join"] == 0
     assert got["resync_share"] == 30 / 900 and got["final_eval_loss"] == [2.0, 2.2, 2.0]
     assert abs(got["loss_spread"] - 0.1) < 1e-12
+    assert got["loss_curve"] == [[3, 0, pytest.approx(6.2 / 3)]]  # only the last step was evaluated by all
