@@ -14,20 +14,23 @@ The rule, for round ``t`` (the outer step the peers are finishing):
    ``max_group_size``, one group of all expected peers (key ``"r{t}:all"``).
 3. **A rotating grid beyond the cap** (Moshpit SGD, Ryabinin et al., arXiv 2103.03239): the
    coming peers (late ones too, so that slightly different views of the ETAs give the same grid;
-   they are then left out of their group), ranked by sha256 of their peer id, sit on a ``d``-dimensional grid of side
-   ``m`` (``d`` the smallest with ``max_group_size**d ≥ n``, ``m`` the smallest with ``m**d ≥ n``,
-   so ``m ≤ max_group_size``); rank ``r`` has the base-``m`` digits of ``r`` as coordinates. In
-   round ``t`` the groups are made of whole lines along dimension ``k = t mod d`` (a line: the
-   peers whose coordinates agree everywhere but at ``k``; at most ``m`` of them): consecutive lines
-   are packed into groups of about ``n / ceil(n / max_group_size)`` peers, never more than the cap,
-   and a peer left alone by a partial line joins the smallest group (which may then hold one more
-   than the cap). Lines of different dimensions cross, so consecutive rounds mix every group. When
-   the grid is full and its side is the cap, the groups are exactly the lines, and after ``d``
-   consecutive rounds every peer holds the exact global average (Moshpit's exact-averaging
-   setting). Cutting the line order into balanced blocks instead keeps corner blocks together in
-   every dimension (8 peers on a 3 × 3 grid in groups of 4: three peers always met each other and
-   only each other, ``bench scale``). The rank hash is fixed, so the grid changes only when the
-   coming peers do.
+   they are then left out of their group), ranked by sha256 of their peer id, sit on a ``d``-dimensional
+   grid (``d`` the smallest with ``max_group_size**d ≥ n``) whose lines are as long as the cap
+   allows: from the last dimension down, each side is the fewest slabs of at most
+   ``max_group_size**i`` peers that hold them (8 peers under a cap of 4: 4 × 2; 65 under 64: 33 × 2);
+   rank ``r`` has the mixed-radix digits of ``r`` as coordinates. In round ``t`` the groups are made of whole lines
+   along dimension ``k = t mod d`` (a line: the peers whose coordinates agree everywhere but at
+   ``k``): consecutive lines are packed into groups of about ``n / ceil(n / max_group_size)`` peers,
+   never more than the cap, and a peer left alone by a partial line joins the smallest group (which
+   may then hold one more than the cap). Lines of different dimensions cross, so consecutive rounds
+   mix every group, and on a full grid every peer holds the exact global average after ``d``
+   consecutive rounds (Moshpit's exact-averaging setting; packed lines keep it). Long lines make
+   the groups as large as the cap allows: 8 peers under a cap of 4 on a 3 × 3 grid had lines of
+   3, 3 and 2, so their "groups of 4" were trios and pairs, and a pair whose member was late
+   stranded the other (``bench scale``); on the 4 × 2 grid every round is two groups of 4. Cutting
+   the line order into balanced blocks instead keeps corner blocks together in every dimension (8
+   peers on a 3 × 3 grid in groups of 4: three peers always met each other and only each other,
+   ``bench scale``). The rank hash is fixed, so the grid changes only when the coming peers do.
 
     plan = plan_round(t, {"QmA": 12.0, "QmB": 14.5, ...}, max_group_size=64, grace_s=10.0)
     plan.groups          # {key: (peer ids, sorted)}
@@ -57,7 +60,7 @@ class RoundPlan:
     late: tuple[str, ...]  # sorted: they fold their Δ into the next round
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> members (sorted)
     dims: int = 1  # grid dimensions (1 = everyone in one group)
-    side: int = 0  # grid side
+    sides: tuple[int, ...] = ()  # the grid's side along each dimension
 
     def group_of(self, peer_id: str) -> tuple[str, tuple[str, ...]]:
         """``(group key, members)`` of ``peer_id``; a late or unknown peer gets ``("r{t}:late", (peer_id,))``."""
@@ -72,17 +75,20 @@ def _rank_key(peer_id: str) -> bytes:
     return hashlib.sha256(peer_id.encode("utf-8", "surrogatepass")).digest()
 
 
-def _grid(n: int, cap: int) -> tuple[int, int]:
-    """(dims, side): the fewest dims with cap**dims ≥ n, then the smallest side with side**dims ≥ n."""
+def _grid(n: int, cap: int) -> tuple[int, ...]:
+    """The grid's sides for ``n`` peers, first dimension first: the fewest dims with cap**dims ≥ n;
+    from the last dimension down, each side is the fewest slabs of at most cap**i peers that hold
+    the peers left, and the first side the peers left in one slab (so lines are as long as the cap
+    allows, and balanced)."""
     dims = 1
     while cap ** dims < n:
         dims += 1
-    side = max(2, math.ceil(n ** (1.0 / dims)))
-    while side > 2 and (side - 1) ** dims >= n:  # float roots can overshoot by one
-        side -= 1
-    while side ** dims < n:
-        side += 1
-    return dims, side
+    sides, left = [], n
+    for i in range(dims - 1, 0, -1):
+        side = max(2, math.ceil(left / cap ** i))
+        sides.append(side)
+        left = math.ceil(left / side)
+    return (max(2, left), *reversed(sides))
 
 
 def _pack_lines(lines: list[list[str]], n: int, cap: int) -> list[list[str]]:
@@ -195,13 +201,17 @@ def plan_round(
     # (one sees a peer just inside the deadline, another just outside) still agree on the groups.
     grid = [p for _, p in coming]
     n = len(grid)
-    dims, side = _grid(n, max_group_size)
+    sides = _grid(n, max_group_size)
+    dims = len(sides)
     k = round_no % dims
     ranked = sorted(grid, key=_rank_key)
 
     lines: dict[tuple[int, ...], list[str]] = {}  # the other coordinates -> the line's peers
     for r, peer in enumerate(ranked):
-        digits = [(r // side ** i) % side for i in range(dims)]
+        digits, rest = [], r
+        for side in sides:  # mixed radix: the first dimension varies fastest
+            digits.append(rest % side)
+            rest //= side
         lines.setdefault(tuple(digits[:k] + digits[k + 1:]), []).append(peer)
     on_time = set(expected)
     groups: dict[str, tuple[str, ...]] = {}
@@ -209,7 +219,7 @@ def plan_round(
         members = tuple(sorted(p for p in cell if p in on_time))
         if members:
             groups[f"r{round_no}:d{k}:g{g}"] = members
-    return RoundPlan(round_no, deadline, tuple(expected), late, groups, dims, side)
+    return RoundPlan(round_no, deadline, tuple(expected), late, groups, dims, sides)
 
 
 def group_for(
