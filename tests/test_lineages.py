@@ -66,6 +66,25 @@ def test_three_pairs_that_never_meet_again():
     assert (s["lineages"], s["split"], s["compared_step"], s["peers_compared"]) == (3, True, 8, 6)
 
 
+def test_a_rotating_grid_holds_several_lineages_but_has_not_split():
+    # 4 peers in pairs that change every round (a grid with θ-mixing): 2 lineages at every step, yet
+    # every peer meets another pair's peer within any 3 steps: no warning (a newcomer saw one)
+    pairings = [("ab", "cd"), ("ac", "bd"), ("ad", "bc")]
+    held = {p: {} for p in "abcd"}
+    for step in range(1, 9):
+        for pair in pairings[step % 3]:
+            for p in pair:
+                held[p][step] = f"{pair}-{step}"
+    peers = {p: [{"step": s_, "digest": d(lab, s_)} for s_, lab in sorted(m.items())] for p, m in held.items()}
+    s = lineage_summary(peers)
+    assert s["lineages"] == 2 and s["split_steps"] == 8 and s["split_sets"] == 1
+    assert s["split"] is False and s["warning"] is None
+    # the same pairs at every step: apart for good
+    fixed = {p: [{"step": s_, "digest": d("ab" if p in "ab" else "cd", s_)} for s_ in range(1, 9)] for p in "abcd"}
+    s = lineage_summary(fixed)
+    assert s["split"] is True and s["split_sets"] == 2 and "2 sets of peers" in s["warning"]
+
+
 def test_peers_at_different_outer_steps_are_compared_at_a_step_they_all_passed():
     # b is one step behind a; c lags 3 steps; all in one lineage where they overlap
     a = marks(steps(3, 10, "x"))

@@ -15,7 +15,10 @@ The rule (documented in docs/protocol.md and docs/dashboard.md):
 - the **lineage count** is the number of distinct digests at the newest compared step (with a
   single peer holding marks: 1; with no mark at all, or no step held by two peers: unknown);
 - the swarm has **split** when the newest :data:`SPLIT_STEPS` consecutive compared steps each
-  have two or more lineages: groups that keep not meeting, not one unlucky round.
+  have two or more lineages *and* the peers fall into two or more sets that held no common digest
+  at any of those steps: groups that keep not meeting, not one unlucky round, and not the groups
+  of a rotating grid (``--target-group-size``), which hold one lineage each at every step but meet
+  other groups' peers from round to round.
 
 No I/O, no hivemind import: ``status``, the dashboard's JSON and ``/metrics`` (through
 ``dashboard.state.summarize``) and a light client that reads records some other way share it.
@@ -68,7 +71,8 @@ def lineage_summary(marks_by_peer: Mapping[str, Any]) -> dict[str, Any]:
     :returns: ``lineages`` (int, or None when unknown), ``compared_step`` (the outer step they are
         counted at, or None), ``peers_compared`` (peers holding a mark at that step), ``split``
         (bool), ``split_steps`` (consecutive compared steps, ending at ``compared_step``, with 2+
-        lineages), ``by_step`` (``[[step, peers, lineages], ...]`` for the compared steps, oldest
+        lineages), ``split_sets`` (once ``split_steps`` ≥ :data:`SPLIT_STEPS`: the sets of peers that
+        held no common digest at the last :data:`SPLIT_STEPS` of them; else 1), ``by_step`` (``[[step, peers, lineages], ...]`` for the compared steps, oldest
         first, at most :data:`MAX_THETA_MARKS`) and ``warning`` (one line when split, else None).
     """
     marks = {peer: m for peer, m in ((p, marks_of(raw)) for p, raw in marks_by_peer.items()) if m}
@@ -79,7 +83,7 @@ def lineage_summary(marks_by_peer: Mapping[str, Any]) -> dict[str, Any]:
     compared = sorted(s for s, ds in holders.items() if len(ds) >= 2)[-MAX_THETA_MARKS:]
     by_step = [[s, len(holders[s]), len(set(holders[s]))] for s in compared]
     summary: dict[str, Any] = {"lineages": None, "compared_step": None, "peers_compared": 0, "split": False,
-                               "split_steps": 0, "by_step": by_step, "warning": None}
+                               "split_steps": 0, "split_sets": 1, "by_step": by_step, "warning": None}
     if not compared:
         if len(marks) == 1:
             (only,) = marks.values()
@@ -92,14 +96,38 @@ def lineage_summary(marks_by_peer: Mapping[str, Any]) -> dict[str, Any]:
             break
         streak += 1
     lineages = len(set(holders[newest]))
-    split = streak >= SPLIT_STEPS
+    sets = _apart(marks, range(newest - SPLIT_STEPS + 1, newest + 1)) if streak >= SPLIT_STEPS else 1
+    split = sets >= 2
     summary.update(lineages=lineages, compared_step=newest, peers_compared=len(holders[newest]), split=split,
-                   split_steps=streak)
+                   split_steps=streak, split_sets=sets)
     if split:
         summary["warning"] = (
-            f"the swarm has split: its peers hold {lineages} different θ_global lineages, at each of the last "
-            f"{streak} outer steps compared (up to {newest}); groups that no longer meet train separate models")
+            f"the swarm has split: its peers hold {lineages} different θ_global lineages, in {sets} sets of peers "
+            f"that held no common θ_global at any of the last {SPLIT_STEPS} outer steps compared (up to {newest}); "
+            "groups that no longer meet train separate models")
     return summary
+
+
+def _apart(marks: Mapping[str, Mapping[int, str]], window: Iterable[int]) -> int:
+    """How many sets the peers with a mark in ``window`` fall into, two peers joined when they held
+    the same digest at a step of it (union-find)."""
+    steps = set(window)
+    parent: dict[str, str] = {}
+
+    def root(p: str) -> str:
+        while parent[p] != p:
+            parent[p] = parent[parent[p]]
+            p = parent[p]
+        return p
+
+    first_holder: dict[tuple[int, str], str] = {}
+    for peer, m in marks.items():
+        for step, digest in m.items():
+            if step in steps:
+                parent.setdefault(peer, peer)
+                other = first_holder.setdefault((step, digest), peer)
+                parent[root(peer)] = root(other)
+    return len({root(p) for p in parent})
 
 
 def lineage_summary_of_rows(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:

@@ -180,6 +180,16 @@ class _QuietPartialResults(logging.Filter):
         return True
 
 
+class _QuietGroupSizeAdvice(logging.Filter):
+    """Drop hivemind's "It is recommended to set target_group_size to a power of 2": the advice is for
+    hivemind's own group-bit splitting, and our grid sets each group's bits itself
+    (averaging/grouping.py), so any --target-group-size forms its groups (a newcomer read the line
+    as a problem with 3)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("It is recommended to set target_group_size")
+
+
 def _quiet_fd_sharer_errors(excepthook):
     """``sys.excepthook``, but a connection error raised in ``multiprocessing/resource_sharer.py``
     (a child that died while fetching a pipe's descriptor from this process) is one debug line."""
@@ -345,6 +355,9 @@ def patch_hivemind() -> None:
             log.addFilter(_QuietPipeErrors())
     if not getattr(sys.excepthook, "__quiet_fd_sharer__", False):
         sys.excepthook = _quiet_fd_sharer_errors(sys.excepthook)
+    key_log = logging.getLogger("hivemind.averaging.key_manager")
+    if not any(isinstance(f, _QuietGroupSizeAdvice) for f in key_log.filters):
+        key_log.addFilter(_QuietGroupSizeAdvice())
     partition_log = logging.getLogger("hivemind.averaging.partition")
     if not any(isinstance(f, _QuietPartialResults) for f in partition_log.filters):
         partition_log.addFilter(_QuietPartialResults())
