@@ -33,7 +33,9 @@ Reported per configuration, from the nodes' metrics records (docs/metrics.md):
 - *mean ÷ default at equal tokens*: runs of equal outer steps need not train equal tokens (DyLU and
   overlapped phases size each phase by how long rounds take), so a grid run's mean final loss is also
   divided by the default run's mean loss at the grid run's tokens (:func:`loss_at_tokens` on the
-  default's curve of per-step means; not measured when the grid run trained more tokens).
+  default's curve of per-step means; not measured when the grid run trained more tokens). It leans
+  toward the grid runs: their last, whole-swarm round merges the groups' θ_global and lowers the
+  loss more in one step than a step of the default run does.
 
 Targets (issue 13): default: one lineage at every outer step and no ``diverged`` download (a calm
 run); group sizes 4 and 2: no split window (above), state-sync bytes
