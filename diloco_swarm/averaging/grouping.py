@@ -18,9 +18,9 @@ The rule, for round ``t`` (the outer step the peers are finishing):
    grid (``d`` the smallest with ``max_group_size**d ≥ n``) whose lines are as long as the cap
    allows: from the last dimension down, each side is the fewest slabs of at most
    ``max_group_size**i`` peers that hold them (8 peers under a cap of 4: 4 × 2; 65 under 64: 33 × 2);
-   rank ``r`` has the mixed-radix digits of ``r`` as coordinates. In round ``t`` the groups are made of whole lines
-   along dimension ``k = t mod d`` (a line: the peers whose coordinates agree everywhere but at
-   ``k``): consecutive lines are packed into groups of about ``n / ceil(n / max_group_size)`` peers,
+   rank ``r`` has the mixed-radix digits of ``r`` as coordinates. In round ``t`` the groups are
+   made of whole lines along dimension ``k = t mod d`` (a line: the peers whose coordinates agree
+   everywhere but at ``k``): consecutive lines are packed into groups of about ``n / ceil(n / max_group_size)`` peers,
    never more than the cap, and a peer left alone by a partial line joins the smallest group (which
    may then hold one more than the cap). Lines of different dimensions cross, so consecutive rounds
    mix every group, and on a full grid every peer holds the exact global average after ``d``
@@ -59,8 +59,12 @@ class RoundPlan:
     expected: tuple[str, ...]  # sorted
     late: tuple[str, ...]  # sorted: they fold their Δ into the next round
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> members (sorted)
-    dims: int = 1  # grid dimensions (1 = everyone in one group)
-    sides: tuple[int, ...] = ()  # the grid's side along each dimension
+    sides: tuple[int, ...] = ()  # the grid's side along each dimension (none: everyone in one group)
+
+    @property
+    def dims(self) -> int:
+        """Grid dimensions (1 = everyone in one group)."""
+        return len(self.sides) or 1
 
     def group_of(self, peer_id: str) -> tuple[str, tuple[str, ...]]:
         """``(group key, members)`` of ``peer_id``; a late or unknown peer gets ``("r{t}:late", (peer_id,))``."""
@@ -202,8 +206,7 @@ def plan_round(
     grid = [p for _, p in coming]
     n = len(grid)
     sides = _grid(n, max_group_size)
-    dims = len(sides)
-    k = round_no % dims
+    k = round_no % len(sides)
     ranked = sorted(grid, key=_rank_key)
 
     lines: dict[tuple[int, ...], list[str]] = {}  # the other coordinates -> the line's peers
@@ -219,7 +222,7 @@ def plan_round(
         members = tuple(sorted(p for p in cell if p in on_time))
         if members:
             groups[f"r{round_no}:d{k}:g{g}"] = members
-    return RoundPlan(round_no, deadline, tuple(expected), late, groups, dims, sides)
+    return RoundPlan(round_no, deadline, tuple(expected), late, groups, sides)
 
 
 def group_for(

@@ -72,8 +72,9 @@ def lineage_summary(marks_by_peer: Mapping[str, Any]) -> dict[str, Any]:
         counted at, or None), ``peers_compared`` (peers holding a mark at that step), ``split``
         (bool), ``split_steps`` (consecutive compared steps, ending at ``compared_step``, with 2+
         lineages), ``split_sets`` (once ``split_steps`` ≥ :data:`SPLIT_STEPS`: the sets of peers that
-        held no common digest at the last :data:`SPLIT_STEPS` of them; else 1), ``by_step`` (``[[step, peers, lineages], ...]`` for the compared steps, oldest
-        first, at most :data:`MAX_THETA_MARKS`) and ``warning`` (one line when split, else None).
+        held no common digest at the last :data:`SPLIT_STEPS` of them; else 1), ``by_step``
+        (``[[step, peers, lineages], ...]`` for the compared steps, oldest first, at most
+        :data:`MAX_THETA_MARKS`) and ``warning`` (one line when split, else None).
     """
     marks = {peer: m for peer, m in ((p, marks_of(raw)) for p, raw in marks_by_peer.items()) if m}
     holders: dict[int, list[str]] = {}
