@@ -125,7 +125,10 @@ def test_a_member_a_step_behind_and_one_at_the_newest_step_never_average_in_a_sw
             t.join(timeout=60.0)
         assert all(r is not None for r in results[:2]), "a round did not end"
         assert not any(r.ok for r in results[:2]), [(r.group_size, r.reason) for r in results[:2]]
-        assert all("may advance" in r.reason for r in results[:2]), [r.reason for r in results[:2]]
+        # refused by the rule: "no group that may advance formed (…)", or the refusal itself when the window
+        # ran out during hivemind's retry ("the group may not advance: …", CI 2026-12-04)
+        assert all("may advance" in r.reason or "may not advance" in r.reason for r in results[:2]), \
+            [r.reason for r in results[:2]]
 
         # the same pair, and peer 2 at the newest step joining 3 s later: a round forms with peer 2 in it.
         # One more try when no round was kept: under load hivemind's matchmaking can drop a member from the
