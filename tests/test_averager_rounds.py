@@ -187,6 +187,29 @@ def test_a_late_member_whose_planned_group_already_averaged_stops_waiting_for_it
         assert time.time() - started < 15.0, "the late member waited for a group that had already averaged"
 
 
+@pytest.mark.timeout(240)
+def test_a_grid_group_whose_members_hand_off_in_two_halves_averages_as_one_group():
+    # bench scale, groups of 4: the members of a grid group hand off in two pairs (each pair had just
+    # finished a round together); the first pair's leader began when its time was up, the second pair
+    # made a group of its own under the same key: two averages, and no crossing of the grid that round.
+    # A grid group needs a majority of its planned members (grouping.grid_group_quorum): the first pair
+    # keeps looking and the four average once.
+    with _averagers("grid-halves", 4, (False,) * 4) as averagers:
+        results: list = [None] * 4
+
+        def run(i: int) -> None:
+            if i >= 2:
+                time.sleep(6.0)  # past the first pair's scheduled time + matchmaking time
+            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={"outer_step": 4}, timeout=40.0,
+                                              scheduled_time=time.time(), online_peers=8, group_bits="1",
+                                              group_size=4)[0]
+
+        _on_threads(run, 4, timeout=90.0)
+        assert all(r is not None for r in results), "a round did not end"
+        assert [r.group_size for r in results] == [4] * 4, [(r.group_size, r.reason) for r in results]
+        assert all(r.ok for r in results) and len({r.digest for r in results}) == 1, [r.reason for r in results]
+
+
 def _on_threads(run, n: int, timeout: float = 60.0) -> None:
     """``run(i)`` for i in range(n), each on a thread, all joined (each at most ``timeout`` s)."""
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]

@@ -198,3 +198,11 @@ def test_a_grid_of_long_lines_forms_groups_at_the_cap_and_averages_exactly(n, ca
     assert max(abs(v - mean) for v in value.values()) < 1e-12
     # round 0 runs along the first side, the longest: each group is one whole line
     assert sorted(len(m) for m in plan_round(0, etas, max_group_size=cap).groups.values())[-1] == sides[0]
+
+
+def test_a_grid_group_starts_with_a_majority_of_its_planned_members():
+    from diloco_swarm.averaging.grouping import grid_group_quorum
+
+    assert [grid_group_quorum(n) for n in (1, 2, 3, 4, 5, 8, 64, 65)] == [2, 2, 2, 3, 3, 5, 33, 33]
+    for planned in range(2, 70):  # two disjoint groups under one key can never both start
+        assert 2 * grid_group_quorum(planned) > planned

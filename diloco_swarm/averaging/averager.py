@@ -49,7 +49,7 @@ from diloco_swarm.averaging.allreduce import (
 )
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S, FAILED_MARK, OutcomeBoard, ask_outcomes, valid_outcome
-from diloco_swarm.averaging.grouping import majority_quorum, step_quorum_problem
+from diloco_swarm.averaging.grouping import grid_group_quorum, majority_quorum, step_quorum_problem
 from diloco_swarm.averaging.mixing import mixing_group_id
 from diloco_swarm.averaging.reachability import Responder
 from diloco_swarm.dht.calls import ChildGone, ChildUnavailable, bounded, dht_get, dht_store
@@ -212,6 +212,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self._banned_peers: set[str] = set()  # lives in the averager process
         self._avoided_peers: dict[str, float] = {}  # peer id -> time.monotonic() until which we avoid it
         self._refused_group: str | None = None  # why the last group of the step in flight was refused
+        self._grid_round = False  # whether the step in flight is a grid group's (group bits set)
         self._step_in_flight = None  # the StepControl of the round in flight, in the averager process
         self._refusals: dict[str, list[float]] = {}  # peer id -> when it refused our valid part (monotonic)
         self._reachability = Responder()  # answers dial-back checks (public peers only)
@@ -453,7 +454,8 @@ class PseudoGradientAverager(DecentralizedAverager):
             bits, target, online = self._round_settings(step)
             matchmaking.group_key_manager.group_bits = bits
             matchmaking.target_group_size = target
-            matchmaking.min_group_size = self._quorum(online, target)
+            self._grid_round = bool(bits)
+            matchmaking.min_group_size = grid_group_quorum(target) if bits else self._quorum(online, target)
         if matchmaking is not None and not getattr(matchmaking, "_skips_avoided_leaders", False):
             request_join_group = matchmaking._request_join_group
 
@@ -842,6 +844,8 @@ class PseudoGradientAverager(DecentralizedAverager):
             return  # the group formed meanwhile (or the round ended): nothing to shorten
         async with matchmaking.lock_request_join_group:
             matchmaking.target_group_size = max(2, min(matchmaking.target_group_size or target, target))
+            if self._grid_round:  # a majority of the members still coming
+                matchmaking.min_group_size = min(matchmaking.min_group_size, grid_group_quorum(target))
             size = len(matchmaking.current_followers) + 1
             if (matchmaking.current_followers and matchmaking.current_leader is None
                     and matchmaking.is_looking_for_group and not matchmaking.assembled_group.done()

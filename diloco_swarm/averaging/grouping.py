@@ -125,7 +125,7 @@ def majority_quorum(online: int, max_group_size: int = DEFAULT_MAX_GROUP_SIZE) -
     minority that misses the round keeps looking and meets the majority's next round, where the
     state rule (node/statesync.py) brings it onto the majority's θ_global. When the swarm is
     larger than one group can hold, groups are necessarily disjoint (the grid above mixes them):
-    any 2 peers may form one.
+    any 2 peers may form one (a grid group's own quorum is :func:`grid_group_quorum`).
 
     :param online: peers of the run online now, this one included (≥ 1).
     :returns: an int in [2, max_group_size].
@@ -133,6 +133,22 @@ def majority_quorum(online: int, max_group_size: int = DEFAULT_MAX_GROUP_SIZE) -
     if online > max_group_size:
         return 2
     return min(max_group_size, max(2, online // 2 + 1))
+
+
+def grid_group_quorum(planned: int) -> int:
+    """The fewest members a grid group of ``planned`` expected peers may start with: a strict
+    majority of them (at least 2), so the group cannot run as two disjoint halves under its one
+    key. Members that finish a round together hand off together: a leader whose time was up began
+    with the half that was in, the other half made a second group, and the two halves, which had
+    just averaged among themselves, again missed the crossing that mixes the grid (``bench scale``,
+    8 peers in groups of 4: two pairs per group, 3 rounds without a crossing). A minority keeps
+    looking within the averaging window and is joined by the rest; planned members found gone
+    lower ``planned`` (``PseudoGradientAverager._lower_target``).
+
+    :param planned: the group's expected members, this peer included (≥ 1).
+    :returns: an int in [2, max(2, planned)].
+    """
+    return max(2, planned // 2 + 1)
 
 
 def step_quorum_problem(steps: Sequence[object], online: int) -> str | None:
