@@ -33,7 +33,8 @@ def _delta(seed: int) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _averagers(prefix: str, target_group_size: int, clients: tuple[bool, ...], types: tuple[type, ...] = ()):
+def _averagers(prefix: str, target_group_size: int, clients: tuple[bool, ...], types: tuple[type, ...] = (),
+               max_group_size: int | None = None):
     """One DHT and averager per entry of ``clients`` (True: a client), bootstrapped from the first, of
     the class in ``types`` at its index (default ``PseudoGradientAverager``); all shut down at the end."""
     dhts = [start_dht(initial_peers=[], host="127.0.0.1", port=0)]
@@ -44,7 +45,7 @@ def _averagers(prefix: str, target_group_size: int, clients: tuple[bool, ...], t
         for i, (dht, client) in enumerate(zip(dhts, clients)):
             cls = types[i] if i < len(types) else PseudoGradientAverager
             averagers.append(cls([torch.zeros(s) for s in SHAPES], dht, prefix=prefix, target_group_size=target_group_size,
-                                 matchmaking_time=2.0, client_mode=client))
+                                 max_group_size=max_group_size, matchmaking_time=2.0, client_mode=client))
         yield averagers
     finally:
         for averager in averagers:
@@ -208,6 +209,30 @@ def test_a_grid_group_whose_members_hand_off_in_two_halves_averages_as_one_group
         assert all(r is not None for r in results), "a round did not end"
         assert [r.group_size for r in results] == [4] * 4, [(r.group_size, r.reason) for r in results]
         assert all(r.ok for r in results) and len({r.digest for r in results}) == 1, [r.reason for r in results]
+
+
+@pytest.mark.timeout(240)
+def test_two_minorities_of_a_grid_runs_one_group_round_never_both_advance():
+    # A newcomer's grid run (6 peers, --target-group-size 4): its last round, planned as one group of
+    # everyone, ran as a trio and a pair, each planning only the peers it expected; both verified, and
+    # the run ended on two models. The quorum was capped at the planned size (2: "any 2 peers") and the
+    # step rule skipped rounds with more online peers than the target group size. Now a one-group round
+    # needs a majority of the online peers at its step: the trio advances, the pair is refused.
+    with _averagers("one-group", 2, (False,) * 5, max_group_size=8) as averagers:
+        results: list = [None] * 5
+
+        def run(i: int) -> None:
+            if i < 2:
+                time.sleep(1.0)  # the trio's leader is in first
+            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={"outer_step": 9}, timeout=12.0,
+                                              scheduled_time=time.time(), online_peers=5,
+                                              group_size=2 if i < 2 else 3)[0]
+
+        _on_threads(run, 5, timeout=90.0)
+        assert all(r is not None for r in results), "a round did not end"
+        kept = [r for r in results if r.ok]
+        assert kept and len({r.digest for r in kept}) == 1, [(r.group_size, r.reason) for r in results]
+        assert all(r.group_size >= 3 for r in kept), [(r.group_size, r.reason) for r in results]
 
 
 def _on_threads(run, n: int, timeout: float = 60.0) -> None:

@@ -110,3 +110,74 @@ def test_only_a_peer_late_for_the_last_round_takes_the_swarms_final_state():
     p.cfg.max_outer_steps = 0
     assert p._catch_up(3, swarm_at_4, then=3) is None  # no planned end
     assert p._catch_up(2, swarm_at_4) == "the final state"  # two steps behind: lagging, as before
+
+
+def test_after_its_one_canonical_download_a_finisher_follows_only_a_strict_majority():
+    # StateSync._end_on_one_model: a newcomer's grid run ended with five peers on one θ_global and the
+    # sixth alone on the state they had just left (each had judged the canonical state a moment apart).
+    from diloco_swarm.node.statesync import majority_holders
+
+    five_left_us = {"a": "B", "b": "B", "c": "B", "d": "B", "e": "B"}
+    assert sorted(majority_holders(five_left_us, same=0)) == ["a", "b", "c", "d", "e"]
+    assert majority_holders({"a": "B"}, same=0) == []  # a pair that swapped: 1 of 2 is no majority, no swap back
+    assert majority_holders({"a": "B", "b": "C", "c": "B"}, same=1) == []  # 2 of 5
+    assert majority_holders({"a": "B", "b": "B", "c": "B"}, same=1) == ["a", "b", "c"]  # 3 of 5
+    assert majority_holders({}, same=3) == []
+
+
+def _finisher(monkeypatch, reads: list[dict[str, str]], first_choice: list[str]):
+    """A node at its planned end (outer step 10, holding "X") whose DHT reads return ``reads`` in turn
+    (peer -> the digest it holds at step 10) and whose canonical judgement picks ``first_choice``;
+    :returns: (the node, the candidates of each diverged download it made)."""
+    import diloco_swarm.dht.records as records_mod
+    import diloco_swarm.node.redial as redial_mod
+    from collections import deque
+
+    from diloco_swarm.node.runner import Node
+
+    seen: list[dict[str, str]] = []
+
+    def entries():
+        seen.append(reads.pop(0) if len(reads) > 1 else reads[0])
+        view = seen[-1]
+        return [SimpleNamespace(owner=f"key-{p}", record=SimpleNamespace(
+            peer_id=p, outer_step=10, updated=1.0, reachability="public",
+            theta_marks=[SimpleNamespace(step=10, digest=g)])) for p, g in view.items()]
+
+    monkeypatch.setattr(records_mod, "read_peer_entries", lambda dht, run_id: entries())
+    monkeypatch.setattr(redial_mod, "gone_peers", lambda *a, **kw: set())
+    p = Node.__new__(Node)
+    held, downloads = ["X"], []
+    p.client_mode, p.peer_id, p.outer_step, p._ended_in_grid, p._recent_peers = False, "me", 10, False, {}
+    p.stop = SimpleNamespace(requested=False, event=SimpleNamespace(wait=lambda s: None))
+    p.stats = SimpleNamespace(phase_eta=1.0, theta_marks=deque())
+    p.records = SimpleNamespace(publish_now=lambda: True)
+    p.spec, p.dht, p.status = SimpleNamespace(run_id="r"), None, SimpleNamespace(log=lambda line: None)
+    p._global_digest = lambda: held[0]
+    p._holders_of_canonical = lambda others, mine, evidence: [q for q in first_choice if q in others]
+
+    def sync_state(*, min_step, reason, candidates, attempts):
+        downloads.append(sorted(candidates))
+        held[0] = seen[-1][candidates[0]]  # the digest its holder showed in the read that chose it
+        return True
+
+    p._sync_state, p._evaluate_now = sync_state, lambda: None
+    return p, held, downloads
+
+
+def test_a_finisher_that_judged_a_moment_before_the_others_follows_them(monkeypatch):
+    # The newcomer's run: we (on X) judged Y canonical (p0 and p1 held it), while p0 and p1 judged X
+    # and downloaded it; four of five then hold X and we hold Y: we follow them once more.
+    p, held, downloads = _finisher(monkeypatch, [
+        {"p0": "Y", "p1": "Y", "p3": "X", "p4": "X"},
+        {"p0": "X", "p1": "X", "p3": "X", "p4": "X"},
+        {"p0": "X", "p1": "X", "p3": "X", "p4": "X"},
+    ], first_choice=["p0", "p1"])
+    p._end_on_one_model()
+    assert downloads == [["p0", "p1"], ["p0", "p1", "p3", "p4"]] and held == ["X"]
+
+
+def test_two_finishers_that_swapped_states_do_not_swap_back(monkeypatch):
+    p, held, downloads = _finisher(monkeypatch, [{"a": "Y"}, {"a": "X"}], first_choice=["a"])
+    p._end_on_one_model()
+    assert downloads == [["a"]] and held == ["Y"]  # 1 of 2 is no majority: it leaves on Y, as before

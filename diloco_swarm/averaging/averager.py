@@ -362,8 +362,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         if not claims:
             return None
         online = max(len(metas), claims[len(claims) // 2])
-        if online > self._default_target_group_size:
-            return None  # (a grid run's whole-swarm last round too: a split there is settled at the run's end, node/statesync.py)
+        if online > self._max_group_size:
+            return None  # beyond the cap the plan is a grid (group bits); a grid run's one-group rounds are judged
         return step_quorum_problem([m.get("outer_step") for m in metas], online)
 
     def _judge_members(self, stats: RoundStats) -> None:
@@ -455,7 +455,9 @@ class PseudoGradientAverager(DecentralizedAverager):
             matchmaking.group_key_manager.group_bits = bits
             matchmaking.target_group_size = target
             self._grid_round = bool(bits)
-            matchmaking.min_group_size = grid_group_quorum(target) if bits else self._quorum(online, target)
+            # one group of the swarm: a majority of the online peers, however few the plan expects (a quorum
+            # capped at the planned size let two minorities of a grid run's last round both verify)
+            matchmaking.min_group_size = grid_group_quorum(target) if bits else self._quorum(online, self._max_group_size)
         if matchmaking is not None and not getattr(matchmaking, "_skips_avoided_leaders", False):
             request_join_group = matchmaking._request_join_group
 

@@ -30,6 +30,7 @@ EVIDENCE_QUORUM = 2  # distinct signing keys whose records must back a claim bef
 EVIDENCE_RETRY_S = 0.5  # a fresh round's output may take a moment to reach its members' records
 FINISH_LINGER_S = 120.0  # at --max-outer-steps, a node serves its state this long at most to peers still behind
 LINGER_POLL_S = 1.0  # ... and re-reads their records this often
+MAX_END_SYNCS = 3  # diverged downloads at the end of a run: the canonical state once, then a majority's
 # ... and counts a silent peer gone (or its own DHT lost) once every probe (read) failed or hung for this
 # long: pings that hang past their 1 s bound for a few seconds on a loaded host are no crash (CI saw
 # finishers leave a paused peer behind on 1 hung ping, and once more under a 3-in-a-row rule), and the
@@ -270,7 +271,8 @@ class StateSync:
         - **Peers at our step on another θ_global** (the last round failed its confirmation, e.g. a
           member stopped before it confirmed, and each member applied its own Δ): the canonical
           state among them (:func:`canonical_state`, the rule of a round's members) wins; we download
-          it once when it is not ours (reason ``diverged``), and wait for the others while it is. Not
+          it once when it is not ours (reason ``diverged``), and wait for the others while it is; after
+          that, only a state a strict majority of them holds moves us again (:func:`majority_holders`). Not
           in a grid (groups smaller than the swarm): there the groups' θ_global differ by design
           (θ-mixing keeps them close), and every peer downloading one would swamp its holders.
         """
@@ -281,7 +283,7 @@ class StateSync:
             return
         self.stats.phase_eta = 0.0
         self.records.publish_now()
-        deadline, said, synced = time.monotonic() + FINISH_LINGER_S, False, False
+        deadline, said, synced = time.monotonic() + FINISH_LINGER_S, False, 0  # (synced: diverged downloads made)
         # peer id -> (its outer step, its record's owner, whether it answers pings); None: not known
         behind: dict[str, tuple[int | None, str | None, bool]] = {p: (None, None, True) for p in self._recent_peers}
         unanswered_since: dict[str, float] = {}  # silent peer -> when its first probe of a failing run ended
@@ -297,7 +299,7 @@ class StateSync:
             unread_since = None
             records = live_records(entries)
             others: dict[str, str] = {}  # peer id -> the θ digest it holds at our step, when not ours
-            mine = self._global_digest()
+            mine, same = self._global_digest(), 0  # (same: the other peers at our step that hold ours)
             for e in entries:
                 r = e.record
                 if r is None or r.peer_id == self.peer_id or records.get(r.peer_id) is not r:
@@ -309,6 +311,7 @@ class StateSync:
                 digest = next((m.digest for m in r.theta_marks if m.step == self.outer_step), None)
                 if r.outer_step == self.outer_step and digest not in (None, mine) and not self._ended_in_grid:
                     others[r.peer_id] = digest
+                same += r.outer_step == self.outer_step and digest == mine
             farewells = {e.owner for e in entries if e.record is None}
             for p in [p for p in behind if p not in records]:  # its record expired or said goodbye
                 _, owner, askable = behind[p]
@@ -325,12 +328,21 @@ class StateSync:
                 elif probed - unanswered_since.setdefault(p, probed) >= LINGER_GONE_AFTER_S:
                     behind.pop(p, None)
             if others:
-                evidence = gather_evidence(entries, self.peer_id, self.outer_step, self.stats.theta_marks.copy())
-                holders = self._holders_of_canonical(others, mine, evidence)
-                if holders and synced:  # once only: two peers that judged apart must not swap states forever
-                    others = {}
+                if synced < 1:
+                    evidence = gather_evidence(entries, self.peer_id, self.outer_step, self.stats.theta_marks.copy())
+                    holders = self._holders_of_canonical(others, mine, evidence)
+                elif synced < MAX_END_SYNCS:
+                    # Two peers that judged apart (their reads a moment apart) must not swap states forever,
+                    # and one must not stay alone on the state the others just left (a newcomer's grid run:
+                    # five peers on one θ_global, the sixth on the one they had held): after one download,
+                    # only the state a strict majority of the peers at our step holds moves us
+                    holders = majority_holders(others, same)
+                else:
+                    holders = []
+                if not holders and synced and 2 * (same + 1) <= len(others) + same + 1:
+                    others = {}  # no majority holds ours either: nobody follows us, nobody to wait for
                 elif holders:
-                    synced = True
+                    synced += 1
                     if self._sync_state(min_step=self.outer_step, reason="diverged", candidates=holders, attempts=3):
                         self._evaluate_now()
                         self.records.publish_now()
@@ -456,6 +468,17 @@ class StateSync:
         self._adopt_state(state)
         self._checkpoint()
         return True
+
+
+def majority_holders(others: dict[str, str], same: int) -> list[str]:
+    """The peers of ``others`` (peer id -> the θ digest it holds at our outer step, not ours) that hold
+    the digest a strict majority of the peers at our step hold, this peer and the ``same`` others
+    holding ours counted; [] when no other digest has one. A strict majority is unique, so peers that
+    follow it never swap states."""
+    if not others:
+        return []
+    digest, votes = Counter(others.values()).most_common(1)[0]
+    return [p for p, d in others.items() if d == digest] if 2 * votes > len(others) + same + 1 else []
 
 
 def canonical_state(entries: dict[str, tuple[int, str]], me: str, evidence: Evidence, donors: Container[str],
