@@ -212,7 +212,6 @@ class PseudoGradientAverager(DecentralizedAverager):
         self._banned_peers: set[str] = set()  # lives in the averager process
         self._avoided_peers: dict[str, float] = {}  # peer id -> time.monotonic() until which we avoid it
         self._refused_group: str | None = None  # why the last group of the step in flight was refused
-        self._grid_round = False  # whether the step in flight is a grid group's (group bits set)
         self._step_in_flight = None  # the StepControl of the round in flight, in the averager process
         self._refusals: dict[str, list[float]] = {}  # peer id -> when it refused our valid part (monotonic)
         self._reachability = Responder()  # answers dial-back checks (public peers only)
@@ -454,7 +453,6 @@ class PseudoGradientAverager(DecentralizedAverager):
             bits, target, online = self._round_settings(step)
             matchmaking.group_key_manager.group_bits = bits
             matchmaking.target_group_size = target
-            self._grid_round = bool(bits)
             # one group of the swarm: a majority of the online peers, however few the plan expects (a quorum
             # capped at the planned size let two minorities of a grid run's last round both verify)
             matchmaking.min_group_size = grid_group_quorum(target) if bits else self._quorum(online, self._max_group_size)
@@ -846,7 +844,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             return  # the group formed meanwhile (or the round ended): nothing to shorten
         async with matchmaking.lock_request_join_group:
             matchmaking.target_group_size = max(2, min(matchmaking.target_group_size or target, target))
-            if self._grid_round:  # a majority of the members still coming
+            if matchmaking.group_key_manager.group_bits:  # a grid group: a majority of the members still coming
                 matchmaking.min_group_size = min(matchmaking.min_group_size, grid_group_quorum(target))
             size = len(matchmaking.current_followers) + 1
             if (matchmaking.current_followers and matchmaking.current_leader is None

@@ -339,8 +339,8 @@ class StateSync:
                     holders = majority_holders(others, same)
                 else:
                     holders = []
-                if not holders and synced and 2 * (same + 1) <= len(others) + same + 1:
-                    others = {}  # no majority holds ours either: nobody follows us, nobody to wait for
+                if not holders and synced and same + 1 <= len(others):
+                    others = {}  # ours is no majority either: nobody follows us, nobody to wait for
                 elif holders:
                     synced += 1
                     if self._sync_state(min_step=self.outer_step, reason="diverged", candidates=holders, attempts=3):
