@@ -361,8 +361,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         if not claims:
             return None
         online = max(len(metas), claims[len(claims) // 2])
-        if online > self._max_group_size:
-            return None  # beyond the cap the plan is a grid (group bits); a grid run's one-group rounds are judged
+        if online > self._default_target_group_size:
+            return None  # (a grid run's one-group rounds too: a plan of the few peers coming mid-run may be one group)
         return step_quorum_problem([m.get("outer_step") for m in metas], online)
 
     def _judge_members(self, stats: RoundStats) -> None:
@@ -453,9 +453,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             bits, target, online = self._round_settings(step)
             matchmaking.group_key_manager.group_bits = bits
             matchmaking.target_group_size = target
-            # one group of the swarm: a majority of the online peers, however few the plan expects (a quorum
-            # capped at the planned size let two minorities of a grid run's last round both verify)
-            matchmaking.min_group_size = grid_group_quorum(target) if bits else self._quorum(online, self._max_group_size)
+            matchmaking.min_group_size = grid_group_quorum(target) if bits else self._quorum(online, target)
         if matchmaking is not None and not getattr(matchmaking, "_skips_avoided_leaders", False):
             request_join_group = matchmaking._request_join_group
 
