@@ -211,6 +211,49 @@ def test_a_grid_group_whose_members_hand_off_in_two_halves_averages_as_one_group
         assert all(r.ok for r in results) and len({r.digest for r in results}) == 1, [r.reason for r in results]
 
 
+@pytest.mark.timeout(240)
+def test_two_minorities_of_a_grid_runs_one_group_round_never_both_advance():
+    # A newcomer's grid run (6 peers, --target-group-size 4): its last round, planned under
+    # --max-group-size as one group of everyone, ran as a trio and a pair, each planning only the peers
+    # it expected; both verified, and the run ended on two models. The quorum was capped at the planned
+    # size (2: "any 2 peers") and the step rule skipped rounds with more online peers than the target
+    # group size. Under the plan's cap (8 here) a one-group round needs a majority of the online peers at
+    # its step: the pair keeps looking and joins the trio, or is refused.
+    with _averagers("one-group", 2, (False,) * 5, max_group_size=8) as averagers:
+        results: list = [None] * 5
+
+        def run(i: int) -> None:
+            if i < 2:
+                time.sleep(1.0)  # the trio's leader is in first
+            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={"outer_step": 9}, timeout=12.0,
+                                              scheduled_time=time.time(), online_peers=5,
+                                              group_size=2 if i < 2 else 3, group_cap=8)[0]
+
+        _on_threads(run, 5, timeout=90.0)
+        assert all(r is not None for r in results), "a round did not end"
+        kept = [r for r in results if r.ok]
+        assert kept and len({r.digest for r in kept}) == 1, [(r.group_size, r.reason) for r in results]
+        assert all(r.group_size >= 3 for r in kept), [(r.group_size, r.reason) for r in results]
+
+
+@pytest.mark.timeout(120)
+def test_a_grid_runs_one_group_plan_of_a_pair_averages_beyond_the_cap():
+    # The other side of the test above: mid-run, a grid run (--target-group-size 2) of 6 online peers
+    # plans one group when only 2 of them are coming (the others start up or are behind). 6 online peers
+    # are more than the plan's cap: the pair is not the whole swarm's round, and may average.
+    with _averagers("pair-mid-run", 2, (False,) * 2) as averagers:
+        results: list = [None] * 2
+
+        def run(i: int) -> None:
+            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={"outer_step": 5 + i}, timeout=20.0,
+                                              scheduled_time=time.time(), online_peers=6, group_size=2,
+                                              group_cap=2)[0]
+
+        _on_threads(run, 2, timeout=60.0)
+        assert all(r is not None and r.ok and r.group_size == 2 for r in results), results
+        assert results[0].digest == results[1].digest
+
+
 def _on_threads(run, n: int, timeout: float = 60.0) -> None:
     """``run(i)`` for i in range(n), each on a thread, all joined (each at most ``timeout`` s)."""
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]

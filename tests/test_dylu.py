@@ -66,14 +66,16 @@ def test_a_record_that_stops_changing_counts_as_silent_from_the_first_read_of_it
 
 
 def test_a_late_round_counts_as_moved_on_only_the_members_past_its_round():
-    # Node._moved_on: a member whose record shows an outer step past the round averaged it without us.
-    # One at the round's step may still come (a behind peer's round is the swarm's, not its own step).
+    # Node._moved_on: a member whose record shows an outer step past the round averaged it without us,
+    # and one looking for a group in a later round will not come to ours. One at the round's step may
+    # still come (a behind peer's round is the swarm's, not its own step).
     p = Node.__new__(Node)
-    steps = {"ahead": 6, "in-round": 5, "behind": 4}
+    steps = {"ahead": (6, None), "in-round": (5, None), "behind": (4, None), "later-round": (4, 6)}
     reads = []
     p._moved_on_read = (float("-inf"), {})
-    p._read_records = lambda: reads.append(1) or {k: SimpleNamespace(outer_step=s) for k, s in steps.items()}
-    assert p._moved_on(["ahead", "in-round", "behind", "unknown"], round_no=5) == {"ahead"}
+    p._read_records = lambda: reads.append(1) or {k: SimpleNamespace(outer_step=s, averaging_round=r)
+                                                  for k, (s, r) in steps.items()}
+    assert p._moved_on(["ahead", "in-round", "behind", "later-round", "unknown"], round_no=5) == {"ahead", "later-round"}
     assert p._moved_on(["ahead", "in-round"], round_no=4) == {"ahead", "in-round"}
     assert len(reads) == 1  # read at most every MOVED_ON_READ_EVERY_S
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from diloco_swarm.averaging.grouping import group_for, plan_round
+from diloco_swarm.averaging.grouping import group_for, moved_past, plan_round, round_number
 
 
 def peers(n: int, seed: int = 0) -> list[str]:
@@ -206,3 +206,32 @@ def test_a_grid_group_starts_with_a_majority_of_its_planned_members():
     assert [grid_group_quorum(n) for n in (1, 2, 3, 4, 5, 8, 64, 65)] == [2, 2, 2, 3, 3, 5, 33, 33]
     for planned in range(2, 70):  # two disjoint groups under one key can never both start
         assert 2 * grid_group_quorum(planned) > planned
+
+
+def test_the_round_number_is_the_swarms_median_step_or_ours_when_ahead():
+    assert round_number(5, [(5, None)] * 5) == 5
+    assert round_number(9, [(10, None), (10, None), (10, None), (9, None), (8, None)]) == 10  # one behind: the swarm's
+    assert round_number(12, [(10, None)] * 5) == 12  # ahead: ours
+    assert round_number(0, []) == 0
+    # untrusted claims that are not ints ≥ 0 are ignored
+    assert round_number(3, [("x", None), (True, 7), (-1, None), (3.5, None), (4, "4")]) == 4
+
+
+def test_peers_behind_the_swarm_at_one_step_plan_one_round_whenever_they_read_the_records():
+    # CI, the 6-peer pairs test: c (step 9) planned r9 with a as its partner; a (step 9) read the records
+    # a moment later, after three peers had reached step 10, and planned r10, where c was again its
+    # partner. Each waited out its window for the other. Now a sees c looking for a group in r9 and joins it.
+    swarm_moved = [(10, None), (10, None), (10, None), (8, None)]
+    assert round_number(9, swarm_moved + [(9, None)]) == 10  # (before c's record says where it waits)
+    assert round_number(9, swarm_moved + [(9, 9)]) == 9
+    # the newest round a peer at our step waits in, between our step and the swarm's
+    assert round_number(9, [(11, None)] * 4 + [(9, 10), (9, 9)]) == 10
+    assert round_number(9, [(11, None)] * 4 + [(9, 12)]) == 11  # past the swarm: not taken
+    assert round_number(9, [(11, None)] * 4 + [(8, 10)]) == 11  # another step's round: not taken
+    assert round_number(11, [(11, None)] * 4 + [(11, 12)]) == 11  # not behind: our own step, as before
+
+
+def test_a_planned_member_in_a_later_round_or_past_ours_will_not_come():
+    assert moved_past(9, 10, None) and moved_past(9, 9, 10) and moved_past(9, 8, 10)
+    assert not moved_past(9, 9, None) and not moved_past(9, 9, 9) and not moved_past(9, 9, 8)
+    assert not moved_past(9, "10", None) and not moved_past(9, 9, True) and not moved_past(9, None, 10.5)

@@ -112,6 +112,10 @@ def test_normalize_snapshot_coerces_clamps_and_drops():
     # every field of the record is kept (a field the schema has and this drops makes the DHT refuse every record)
     assert set(out) == set(PeerRecord.__fields__)
     assert normalize_snapshot(snapshot(inner_step_s=0.25), now=1.0)["inner_step_s"] == 0.25
+    # the grid round in flight: None when in none, an int clamped to [0, MAX_COUNT] otherwise
+    assert out["averaging_round"] is None
+    assert [normalize_snapshot(snapshot(averaging_round=v), now=1.0)["averaging_round"]
+            for v in (7, -3, float("nan"), "9")] == [7, 0, 0, 9]
 
 
 def test_record_key_persists_with_0600(tmp_path):

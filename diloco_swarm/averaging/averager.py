@@ -348,7 +348,10 @@ class PseudoGradientAverager(DecentralizedAverager):
     def _group_problem(self, group_info) -> str | None:
         """Why this whole-swarm group must not run its round (``grouping.step_quorum_problem`` of the
         members' gathered outer steps, with the upper median of their online-peer counts), or None.
-        Grid groups (group bits set), swarms beyond one group and rounds without counts are not judged."""
+        Every member reads the same gathered bytes, so all judge alike. Not judged: grid groups (group
+        bits set), rounds without counts, and swarms larger than the plans' cap (the upper median of the
+        members' ``group_cap``): a grid run's plan mid-run is one group when only a few peers are coming,
+        and those few may average; its last round, planned under ``--max-group-size``, is judged."""
         try:
             metas = [self.serializer.loads(self.serializer.loads(g)[2]) for g in group_info.gathered]
         except Exception:
@@ -356,13 +359,12 @@ class PseudoGradientAverager(DecentralizedAverager):
         metas = [m if isinstance(m, dict) else {} for m in metas]
         if any(m.get("group_bits") for m in metas):
             return None
-        claims = sorted(o for o in (m.get("online_peers") for m in metas)
-                        if isinstance(o, int) and not isinstance(o, bool) and o >= 1)
-        if not claims:
+        claims, caps = _upper_median(metas, "online_peers"), _upper_median(metas, "group_cap")
+        if claims is None:
             return None
-        online = max(len(metas), claims[len(claims) // 2])
-        if online > self._default_target_group_size:
-            return None  # (a grid run's one-group rounds too: a plan of the few peers coming mid-run may be one group)
+        online = max(len(metas), claims)
+        if online > (caps if caps is not None else self._default_target_group_size):
+            return None
         return step_quorum_problem([m.get("outer_step") for m in metas], online)
 
     def _judge_members(self, stats: RoundStats) -> None:
@@ -450,10 +452,13 @@ class PseudoGradientAverager(DecentralizedAverager):
         (:meth:`_round_settings`)."""
         matchmaking = getattr(self, "_matchmaking", None)
         if matchmaking is not None:
-            bits, target, online = self._round_settings(step)
+            bits, target, online, cap = self._round_settings(step)
+            quorum = grid_group_quorum(target) if bits else self._quorum(online, cap)
             matchmaking.group_key_manager.group_bits = bits
-            matchmaking.target_group_size = target
-            matchmaking.min_group_size = grid_group_quorum(target) if bits else self._quorum(online, target)
+            # hivemind's leader begins once its followers fill the target, whatever the quorum: a group
+            # planned smaller than the quorum (late peers) waits for some of them
+            matchmaking.target_group_size = max(target, quorum)
+            matchmaking.min_group_size = quorum
         if matchmaking is not None and not getattr(matchmaking, "_skips_avoided_leaders", False):
             request_join_group = matchmaking._request_join_group
 
@@ -487,9 +492,9 @@ class PseudoGradientAverager(DecentralizedAverager):
             # hivemind's set_result on the cancelled step raises, a traceback nobody reads
             logger.debug("an all-reduce finished after the node had cancelled its step; its result is dropped")
 
-    def _round_settings(self, step) -> tuple[str, int, int | None]:
-        """(group bits, target group size, online peers) that ``average()`` gathered for this round:
-        our defaults (no bits: the run's one key) where they are missing or malformed."""
+    def _round_settings(self, step) -> tuple[str, int, int | None, int]:
+        """(group bits, target group size, online peers, the plan's cap) that ``average()`` gathered for
+        this round: our defaults (no bits: the run's one key) where they are missing or malformed."""
         try:
             _, _, user_data = self.serializer.loads(step.data_for_gather)
             data = self.serializer.loads(user_data)
@@ -497,6 +502,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             data = {}
         data = data if isinstance(data, dict) else {}
         bits, target, online = data.get("group_bits"), data.get("group_size"), data.get("online_peers")
+        cap = data.get("group_cap")
         if not (isinstance(bits, str) and len(bits) <= 64 and set(bits) <= {"0", "1"}):
             bits = ""
         # a planned group may hold one more than the cap (grouping.plan_round: nobody averages alone)
@@ -504,11 +510,14 @@ class PseudoGradientAverager(DecentralizedAverager):
             target = self._default_target_group_size
         if not (isinstance(online, int) and not isinstance(online, bool)):
             online = None
-        return bits, target, online
+        if not (isinstance(cap, int) and not isinstance(cap, bool) and 2 <= cap <= self._max_group_size):
+            cap = self._default_target_group_size
+        return bits, target, online, cap
 
     def _quorum(self, online: int | None, max_group_size: int) -> int:
-        """``grouping.majority_quorum`` of the ``online`` peers count that ``average()`` gathered,
-        without the peers we ban or avoid (they never join our groups); 2 without a count."""
+        """``grouping.majority_quorum`` of the ``online`` peers count that ``average()`` gathered
+        (under the plan's cap ``max_group_size``), without the peers we ban or avoid (they never join
+        our groups); 2 without a count."""
         if online is None:
             return 2
         shunned = len(self._banned_peers) + sum(1 for p in list(self._avoided_peers) if self._avoids(p))
@@ -679,6 +688,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         online_peers: int | None = None,
         group_bits: str = "",
         group_size: int | None = None,
+        group_cap: int | None = None,
         gone: GoneProbe | None = None,
         members: Sequence[str] = (),
         members_due: float | None = None,
@@ -706,6 +716,11 @@ class PseudoGradientAverager(DecentralizedAverager):
             of a ``grouping.plan_round`` key): only peers with the same bits meet; "" = the run's one key.
         :param group_size: the planned group's size (the leader starts once it is full); None: the
             averager's ``target_group_size``.
+        :param group_cap: the most peers the round's plan put in one group (``grouping.RoundPlan.
+            max_group_size``); None: the averager's ``target_group_size``. A group without bits while
+            ``online_peers`` is at most this is the whole swarm's round: it needs a majority of them
+            and its members' outer steps are judged (``grouping.step_quorum_problem``), however few
+            peers the plan expected; beyond the cap any 2 peers may average.
         :param gone: ``gone(peer_ids)`` returns those whose process is gone (bounded in time, never
             raises); the digest cross-check stops waiting for them (:meth:`_cross_check`), and so
             does a group still forming past ``members_due``. None: wait for every member.
@@ -740,7 +755,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             elif scheduled_time is not None:
                 scheduled_time = min(scheduled_time, get_dht_time() + 0.9 * timeout)
             gather = {**metadata, "weight": float(weight), "online_peers": online_peers, "group_bits": group_bits,
-                      "group_size": group_size}
+                      "group_size": group_size, "group_cap": group_cap}
             control = self.step(weight=float(weight), gather=gather, timeout=timeout, allow_retries=True, wait=False,
                                 scheduled_time=scheduled_time)
             # hivemind bounds the step in the averager process; this bounds our wait if that process dies
@@ -1091,6 +1106,14 @@ def _largest_weight(gathered: dict[str, Any]) -> float:
         if isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight):
             largest = max(largest, float(weight))
     return largest
+
+
+def _upper_median(metas: list[dict], field: str) -> int | None:
+    """The upper median of the members' claimed ``field`` (untrusted: only ints ≥ 1 count), or None:
+    a few members cannot move it past what most of them said."""
+    claims = sorted(v for v in (m.get(field) for m in metas)
+                    if isinstance(v, int) and not isinstance(v, bool) and v >= 1)
+    return claims[len(claims) // 2] if claims else None
 
 
 def _short_reason(e: BaseException) -> str:

@@ -60,6 +60,7 @@ class RoundPlan:
     late: tuple[str, ...]  # sorted: they fold their Δ into the next round
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> members (sorted)
     sides: tuple[int, ...] = ()  # the grid's side along each dimension (none: everyone in one group)
+    max_group_size: int = DEFAULT_MAX_GROUP_SIZE  # the cap the plan was made under
 
     @property
     def dims(self) -> int:
@@ -181,6 +182,44 @@ def step_quorum_problem(steps: Sequence[object], online: int) -> str | None:
             f"{max(1, online - behind)} online peers not behind it needed")
 
 
+def round_number(own_step: int, others: Sequence[tuple[int, int | None]]) -> int:
+    """The round a peer at outer step ``own_step`` plans (:func:`plan_round`'s ``round_no``), from the
+    ``(outer step, round in flight or None)`` of the other peers' records.
+
+    The swarm's round is the upper median of the outer steps (ours included), or ours when we are
+    ahead: a peer one step behind meets the swarm's round and catches up in it, instead of planning a
+    grid of its own. The median moves while the swarm advances, so two peers behind it at one step
+    that read the records a moment apart could plan different rounds and wait out their windows for
+    each other (the 6-peer pairs test in CI: two peers at step 9 planned r9 and r10, and each was the
+    other's planned partner in both). So a peer behind the median takes the newest round that a peer
+    at its own step is already looking for a group in (its record's ``averaging_round``), when there
+    is one between its step and the median; a peer that waits in an older round than a planned
+    partner's stops waiting (:func:`moved_past`) and meets it in that round next time.
+
+    :param own_step: this peer's outer step (≥ 0).
+    :param others: the other peers' claimed (outer step, round in flight); untrusted values that are
+        not ints ≥ 0 are ignored.
+    :returns: an int ≥ ``own_step``.
+    """
+    def valid(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    steps = sorted([s for s, _ in others if valid(s)] + [own_step])
+    swarm = max(own_step, steps[len(steps) // 2])
+    joined = [r for s, r in others if s == own_step and valid(r) and own_step <= r <= swarm]
+    return max(joined) if swarm > own_step and joined else swarm
+
+
+def moved_past(round_no: int, outer_step: object, averaging_round: object) -> bool:
+    """Whether a planned member will not come to round ``round_no`` any more: its record shows an
+    outer step past it (it averaged the round without us) or a later round in flight (it looks for a
+    group there, :func:`round_number`). Untrusted values that are not ints count as neither."""
+    def later(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v > round_no
+
+    return later(outer_step) or later(averaging_round)
+
+
 def plan_round(
     round_no: int,
     etas: Mapping[str, float],
@@ -210,13 +249,14 @@ def plan_round(
     clean = {str(p): (0.0 if e != e or e < 0 else float(e)) for p, e in etas.items()}
     coming = sorted((e, p) for p, e in clean.items() if e != math.inf)
     if not coming:
-        return RoundPlan(round_no, math.inf, (), tuple(sorted(clean)))
+        return RoundPlan(round_no, math.inf, (), tuple(sorted(clean)), max_group_size=max_group_size)
     q = min(len(coming), max(1, math.ceil(quorum * len(coming))))
     deadline = coming[q - 1][0] + grace_s
     expected = sorted(p for e, p in coming if e <= deadline)
     late = tuple(sorted(p for p in clean if clean[p] > deadline))
     if len(expected) <= max_group_size and len(coming) <= max_group_size:
-        return RoundPlan(round_no, deadline, tuple(expected), late, {f"r{round_no}:all": tuple(expected)})
+        return RoundPlan(round_no, deadline, tuple(expected), late, {f"r{round_no}:all": tuple(expected)},
+                         max_group_size=max_group_size)
     # The grid places every coming peer, the late ones too: peers that read the ETAs a moment apart
     # (one sees a peer just inside the deadline, another just outside) still agree on the groups.
     grid = [p for _, p in coming]
@@ -238,7 +278,7 @@ def plan_round(
         members = tuple(sorted(p for p in cell if p in on_time))
         if members:
             groups[f"r{round_no}:d{k}:g{g}"] = members
-    return RoundPlan(round_no, deadline, tuple(expected), late, groups, sides)
+    return RoundPlan(round_no, deadline, tuple(expected), late, groups, sides, max_group_size)
 
 
 def group_for(

@@ -135,6 +135,9 @@ class PeerRecord(pv1.BaseModel):
     phase_eta: pv1.confloat(strict=True, ge=0.0, le=MAX_TIME) = 0.0
     # the last few (outer step, θ_global digest) pairs, oldest first: how many lineages the swarm holds
     theta_marks: pv1.conlist(ThetaMark, max_items=MAX_THETA_MARKS) = []
+    # the grid round (averaging/grouping.py: round_number) this peer looks for a group in; None when
+    # it is in none: peers behind the swarm at its step join that round
+    averaging_round: Optional[pv1.conint(strict=True, ge=0, le=MAX_COUNT)] = None
 
     class Config:
         extra = pv1.Extra.forbid
@@ -253,6 +256,8 @@ def normalize_snapshot(snapshot: dict[str, Any], *, now: float | None = None) ->
     maddrs = snapshot.get("maddrs") or []
     out["maddrs"] = [str(a) for a in maddrs if isinstance(a, str) and len(a) <= MAX_MADDR][:MAX_MADDRS]
     out["theta_marks"] = [{"step": s, "digest": d} for s, d in marks_of(snapshot.get("theta_marks")).items()]
+    round_in_flight = snapshot.get("averaging_round")
+    out["averaging_round"] = None if round_in_flight is None else _int(round_in_flight, MAX_COUNT)
     if not out["updated"]:
         out["updated"] = float(time.time() if now is None else now)
     PeerRecord.parse_obj(out)  # raises ValueError (pydantic's ValidationError) on a bad peer_id

@@ -231,8 +231,8 @@ def _lonely_averager() -> type:
 
     class LonelyAverager(PseudoGradientAverager):
         def _round_settings(self, step):
-            _, target, online = super()._round_settings(step)
-            return "1" * 64, target, online  # no honest peer's key: nobody to meet
+            _, target, online, cap = super()._round_settings(step)
+            return "1" * 64, target, online, cap  # no honest peer's key: nobody to meet
 
     return _on_the_wire_as(LonelyAverager, PseudoGradientAverager)
 

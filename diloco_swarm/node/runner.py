@@ -568,13 +568,22 @@ class Node(Startup, StateSync, Mixing):
         start = due + self.cfg.matchmaking_time
         grid = len(plan.groups) > 1  # groups smaller than the swarm: θ-mixing keeps them one model
         self.history.resize(max(self._history_floor, history_length(plan.dims if grid else 1)))
-        result, average = self.averager.average(
-            self._contribution(handoff.delta), weight=max(handoff.tokens, 1), metadata=self._round_metadata(handoff),
-            timeout=self.cfg.averaging_window, stop=control.stop, give_up=control.give_up, digest_wait=DIGEST_WAIT_S,
-            scheduled_time=start, online_peers=len((set(records) | {self.peer_id}) - gone),
-            group_bits=group_bits(key) if grid else "", group_size=max(2, len(members)), gone=self._gone_members,
-            members=[p for p in members if p != self.peer_id], members_due=due,
-            moved_on=lambda peers: self._moved_on(peers, plan.round_no))
+        if grid:  # peers behind the swarm at our step join this round (grouping.round_number): say so now
+            self.stats.averaging_round = plan.round_no
+            with contextlib.suppress(RuntimeError):  # (the node is closing)
+                self._housekeeping.submit(self.records.publish_now)
+        try:
+            result, average = self.averager.average(
+                self._contribution(handoff.delta), weight=max(handoff.tokens, 1),
+                metadata=self._round_metadata(handoff), timeout=self.cfg.averaging_window, stop=control.stop,
+                give_up=control.give_up, digest_wait=DIGEST_WAIT_S, scheduled_time=start,
+                online_peers=len((set(records) | {self.peer_id}) - gone),
+                group_bits=group_bits(key) if grid else "", group_size=max(2, len(members)),
+                group_cap=plan.max_group_size, gone=self._gone_members,
+                members=[p for p in members if p != self.peer_id], members_due=due,
+                moved_on=lambda peers: self._moved_on(peers, plan.round_no))
+        finally:
+            self.stats.averaging_round = None
         return result, average, not others, key if grid else ""
 
     def _gone_members(self, peers: Sequence[str]) -> set[str]:
@@ -587,10 +596,13 @@ class Node(Startup, StateSync, Mixing):
         return gone_peers(self.dht, askable, stop=self.stop.event, banned_is_gone=False)
 
     def _moved_on(self, peers: Sequence[str], round_no: int) -> set[str]:
-        """Those of a forming round's late ``peers`` whose records show an outer step past ``round_no``:
-        they averaged it before we arrived (our plan counted them in, theirs counted us late), so the
+        """Those of a forming round's late ``peers`` whose records show an outer step past ``round_no``
+        (they averaged it before we arrived: our plan counted them in, theirs counted us late) or a later
+        round in flight (they planned with a newer view of the swarm, ``grouping.moved_past``), so the
         round stops waiting for them and our Δ goes into the next round. Reads the records at most every
         :data:`MOVED_ON_READ_EVERY_S`; never raises (a failed read finds nobody)."""
+        from diloco_swarm.averaging.grouping import moved_past
+
         now = time.monotonic()
         if now - self._moved_on_read[0] >= MOVED_ON_READ_EVERY_S:
             try:
@@ -598,7 +610,8 @@ class Node(Startup, StateSync, Mixing):
             except Exception:
                 self._moved_on_read = (now, {})
         records = self._moved_on_read[1]
-        return {p for p in peers if p in records and records[p].outer_step > round_no}
+        return {p for p in peers if p in records
+                and moved_past(round_no, records[p].outer_step, records[p].averaging_round)}
 
     def _read_records(self) -> dict[str, Any]:
         """The run's signed peer records, read once per round (dht/records.py).
@@ -630,11 +643,13 @@ class Node(Startup, StateSync, Mixing):
 
         The grid rotates with the round number (Moshpit SGD, arXiv 2103.03239), which is the median
         outer step of the online peers' records (ours, when we are ahead): a peer one step behind the
-        swarm meets the swarm's round and catches up in it, instead of planning a grid of its own.
+        swarm meets the swarm's round and catches up in it, instead of planning a grid of its own; a
+        peer behind it joins the round a peer at its own step already looks for a group in
+        (``grouping.round_number``).
         The last round of a planned run (``--max-outer-steps``) has no grid below ``--max-group-size``:
         the peers that share that limit meet in one group and mix into one θ_global.
         """
-        from diloco_swarm.averaging.grouping import plan_round
+        from diloco_swarm.averaging.grouping import plan_round, round_number
 
         now, seen = time.time(), time.monotonic()
         self._grid_records = {p: (t, r) for p, (t, r) in self._grid_records.items() if seen - t < GRID_MEMORY_S}
@@ -645,8 +660,7 @@ class Node(Startup, StateSync, Mixing):
         etas = {p: seconds_to_handoff(r.phase_eta, now, silent_s=self._silent_s(p, seen), max_silent_s=max_silent,
                                       first_round=first) for p, r in others.items()}
         etas[self.peer_id] = 0.0
-        steps = sorted([r.outer_step for r in others.values()] + [handoff.outer_step])
-        round_no = max(handoff.outer_step, steps[len(steps) // 2])
+        round_no = round_number(handoff.outer_step, [(r.outer_step, r.averaging_round) for r in others.values()])
         cap = self.cfg.group_size
         if 0 < self.cfg.max_outer_steps <= round_no + 1:
             # the planned run's last round: everyone in one group (up to --max-group-size), whose θ-mixing

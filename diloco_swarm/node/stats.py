@@ -41,6 +41,7 @@ class NodeStats:
     tokens_per_s: float | None = None  # tokens / inner seconds of the last phase
     inner_step_s: float | None = None  # seconds per inner step in the last phase (DyLU)
     phase_eta: float = 0.0  # unix time at which the current phase should end (0 = not training yet)
+    averaging_round: int | None = None  # the grid round we look for a group in (grouping.round_number)
     peers_seen: int = 1
     last_round: dict[str, Any] | None = None
     live: dict[str, Any] = field(default_factory=dict)  # the running phase: inner_step, phase_steps, loss, tokens_per_s
@@ -109,5 +110,6 @@ class NodeStats:
             "uptime_s": self.wall_s(),
             "inner_step_s": float(self.inner_step_s or 0.0),
             "phase_eta": float(self.phase_eta),
+            "averaging_round": self.averaging_round,
             "theta_marks": self.theta_marks.copy(),  # copy(): the publisher reads it on its own thread
         }
