@@ -127,7 +127,8 @@ def test_after_its_one_canonical_download_a_finisher_follows_only_a_strict_major
 
 def _finisher(monkeypatch, reads: list[dict[str, str]], first_choice: list[str]):
     """A node at its planned end (outer step 10, holding "X") whose DHT reads return ``reads`` in turn
-    (peer -> the digest it holds at step 10) and whose canonical judgement picks ``first_choice``;
+    (peer -> the digest it holds at step 10, or its (outer step, digest)) and whose canonical judgement
+    picks ``first_choice``;
     :returns: (the node, the candidates of each diverged download it made)."""
     import diloco_swarm.dht.records as records_mod
     import diloco_swarm.node.redial as redial_mod
@@ -140,9 +141,10 @@ def _finisher(monkeypatch, reads: list[dict[str, str]], first_choice: list[str])
     def entries():
         seen.append(reads.pop(0) if len(reads) > 1 else reads[0])
         view = seen[-1]
+        marks = {p: v if isinstance(v, tuple) else (10, v) for p, v in view.items()}
         return [SimpleNamespace(owner=f"key-{p}", record=SimpleNamespace(
-            peer_id=p, outer_step=10, updated=1.0, reachability="public",
-            theta_marks=[SimpleNamespace(step=10, digest=g)])) for p, g in view.items()]
+            peer_id=p, outer_step=step, updated=1.0, reachability="public",
+            theta_marks=[SimpleNamespace(step=step, digest=g)])) for p, (step, g) in marks.items()]
 
     monkeypatch.setattr(records_mod, "read_peer_entries", lambda dht, run_id: entries())
     monkeypatch.setattr(redial_mod, "gone_peers", lambda *a, **kw: set())
@@ -181,3 +183,18 @@ def test_two_finishers_that_swapped_states_do_not_swap_back(monkeypatch):
     p, held, downloads = _finisher(monkeypatch, [{"a": "Y"}, {"a": "X"}], first_choice=["a"])
     p._end_on_one_model()
     assert downloads == [["a"]] and held == ["Y"]  # 1 of 2 is no majority: it leaves on Y, as before
+
+
+def test_a_finisher_names_only_the_peers_behind_that_did_not_finish_the_last_round_with_it(monkeypatch):
+    # A newcomer read "5 peers are still behind (outer step 10)" while 3 of them had just finished the
+    # last round alongside: their records showed the step before for one re-signing period
+    p, held, downloads = _finisher(monkeypatch, [
+        {"m1": (9, "W"), "m2": (9, "W"), "slow": (8, "V")},
+        {"m1": "X", "m2": "X", "slow": (8, "V")},
+        {"m1": "X", "m2": "X", "slow": "X"},
+    ], first_choice=[])
+    lines: list[str] = []
+    p.status, p._finished_with = SimpleNamespace(log=lines.append), frozenset({"m1", "m2", "me"})
+    p._end_on_one_model()
+    assert downloads == [] and len(lines) == 1, lines
+    assert lines[0].startswith("1 peer is still behind (outer step 8): serving it this final state"), lines

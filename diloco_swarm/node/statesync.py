@@ -130,6 +130,10 @@ def gather_evidence(entries, me: str, my_step: int = 0, my_marks=()) -> Evidence
 class StateSync:
     """Join sync, reconcile and state donation of a :class:`~diloco_swarm.node.runner.Node`."""
 
+    # the members of our last verified round, which applied its average with us: at the end of a run
+    # their records may show the step before for one re-signing period, and they are not "behind"
+    _finished_with: frozenset[str] = frozenset()
+
     def _state_for_donation(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """(metadata, θ_global tensors + outer momentum tensors), a consistent snapshot."""
         with self._state_lock:
@@ -350,13 +354,16 @@ class StateSync:
             if not behind and not others:
                 return
             # a silent peer is named once it answered: one that just left (its goodbye unseen) never does
-            if not said and (others or any(p in records or p not in unanswered for p in behind)):
+            # (not the members of our last round: a newcomer read "5 peers are still behind" while 3 of
+            # them had just finished it with us, their records a re-signing period old)
+            named = {p: v for p, v in behind.items() if p not in self._finished_with}
+            if not said and (others or any(p in records or p not in unanswered for p in named)):
                 said = True
-                n = len(behind) + len(others)
+                n = len(named) + len(others)
                 who, it = ("1 peer is", "it") if n == 1 else (f"{n} peers are", "them")
-                steps = [s for s, _, _ in behind.values() if s is not None]
+                steps = [s for s, _, _ in named.values() if s is not None]
                 where = (f"behind (outer step {min(steps)})" if steps else
-                         "silent (no fresh record) but answering" if behind else
+                         "silent (no fresh record) but answering" if named else
                          f"on another θ_global at outer step {self.outer_step}")
                 self.status.log(f"{who} still {where}: serving {it} this final state for up to "
                                 f"{FINISH_LINGER_S:.0f}s before leaving (Ctrl+C leaves now)")
