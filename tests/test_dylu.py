@@ -84,3 +84,27 @@ def test_a_late_round_counts_as_moved_on_only_the_members_past_its_round():
 
     p._moved_on_read, p._read_records = (float("-inf"), {}), fail
     assert p._moved_on(["ahead"], round_no=5) == set()  # a failed read finds nobody
+
+
+def test_a_peer_that_looks_for_a_group_in_the_round_being_planned_is_due_now(monkeypatch):
+    # In overlap mode a peer in its round already publishes its next phase's hand-off time: read as its
+    # ETA, it counted late for the very round it waits in (bench scale, groups of 4: a pair planned
+    # without the other pair of its grid group). Its record's averaging_round says where it is.
+    import diloco_swarm.node.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "gone_peers", lambda *a, **kw: set())
+    p = Node.__new__(Node)
+    now = time.time()
+    rec = lambda eta, rnd: SimpleNamespace(outer_step=3, phase_eta=eta, averaging_round=rnd,  # noqa: E731
+                                           reachability="public")
+    far = now + 60.0  # its next phase's end: past any grace window here
+    p._grid_records = {"in-round": (time.monotonic(), rec(far, 3)), "elsewhere": (time.monotonic(), rec(far, None)),
+                       **{f"due{i}": (time.monotonic(), rec(now - 1.0, None)) for i in range(3)}}
+    p.cfg = SimpleNamespace(averaging_window=30.0, matchmaking_time=2.0, group_size=64, max_outer_steps=0,
+                            max_group_size=64)
+    p.stats, p.records, p._heard = SimpleNamespace(last_round={}), SimpleNamespace(interval_s=5.0), {}
+    p.peer_id, p.dht, p.stop = "me", None, SimpleNamespace(event=None)
+    handoff = SimpleNamespace(outer_step=3, inner_s=4.0)
+    plan, due, gone = p._plan_round(handoff, {})
+    assert plan.round_no == 3 and "in-round" in plan.expected and "elsewhere" in plan.late, plan
+    assert due < now + 10.0 and gone == set()

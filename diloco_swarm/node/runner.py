@@ -657,10 +657,13 @@ class Node(Startup, StateSync, Mixing):
         others = {p: r for p, (_, r) in self._grid_records.items()}  # peers views agree on, even after a partial read
         grace = min(self.cfg.averaging_window / 2, max(self.cfg.matchmaking_time, handoff.inner_s / 2))
         first, max_silent = self.stats.last_round is None, SILENT_RECORDS * self.records.interval_s
+        round_no = round_number(handoff.outer_step, [(r.outer_step, r.averaging_round) for r in others.values()])
         etas = {p: seconds_to_handoff(r.phase_eta, now, silent_s=self._silent_s(p, seen), max_silent_s=max_silent,
                                       first_round=first) for p, r in others.items()}
+        # a peer that looks for a group in this very round is due now, whatever its record's phase_eta
+        # says (in overlap mode that is already its next phase's, which would count it late)
+        etas.update((p, 0.0) for p, r in others.items() if r.averaging_round == round_no and etas[p] != math.inf)
         etas[self.peer_id] = 0.0
-        round_no = round_number(handoff.outer_step, [(r.outer_step, r.averaging_round) for r in others.values()])
         cap = self.cfg.group_size
         if 0 < self.cfg.max_outer_steps <= round_no + 1:
             # the planned run's last round: everyone in one group (up to --max-group-size), whose θ-mixing
