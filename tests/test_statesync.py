@@ -132,6 +132,7 @@ def _finisher(monkeypatch, reads: list[dict[str, str]], first_choice: list[str])
     :returns: (the node, the candidates of each diverged download it made)."""
     import diloco_swarm.dht.records as records_mod
     import diloco_swarm.node.redial as redial_mod
+    import diloco_swarm.node.statesync as statesync_mod
     from collections import deque
 
     from diloco_swarm.node.runner import Node
@@ -148,12 +149,14 @@ def _finisher(monkeypatch, reads: list[dict[str, str]], first_choice: list[str])
 
     monkeypatch.setattr(records_mod, "read_peer_entries", lambda dht, run_id: entries())
     monkeypatch.setattr(redial_mod, "gone_peers", lambda *a, **kw: set())
+    clock = [0.0]  # seconds; each wait between reads advances it
+    monkeypatch.setattr(statesync_mod, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     p = Node.__new__(Node)
     held, downloads = ["X"], []
     p.client_mode, p.peer_id, p.outer_step, p._ended_in_grid, p._recent_peers = False, "me", 10, False, {}
-    p.stop = SimpleNamespace(requested=False, event=SimpleNamespace(wait=lambda s: None))
+    p.stop = SimpleNamespace(requested=False, event=SimpleNamespace(wait=lambda s: clock.__setitem__(0, clock[0] + s)))
     p.stats = SimpleNamespace(phase_eta=1.0, theta_marks=deque())
-    p.records = SimpleNamespace(publish_now=lambda: True)
+    p.records = SimpleNamespace(publish_now=lambda: True, interval_s=5.0)
     p.spec, p.dht, p.status = SimpleNamespace(run_id="r"), None, SimpleNamespace(log=lambda line: None)
     p._global_digest = lambda: held[0]
     p._holders_of_canonical = lambda others, mine, evidence: [q for q in first_choice if q in others]
@@ -185,16 +188,19 @@ def test_two_finishers_that_swapped_states_do_not_swap_back(monkeypatch):
     assert downloads == [["a"]] and held == ["Y"]  # 1 of 2 is no majority: it leaves on Y, as before
 
 
-def test_a_finisher_names_only_the_peers_behind_that_did_not_finish_the_last_round_with_it(monkeypatch):
+def test_a_finisher_names_only_the_peers_whose_records_stay_behind(monkeypatch):
     # A newcomer read "5 peers are still behind (outer step 10)" while 3 of them had just finished the
-    # last round alongside: their records showed the step before for one re-signing period
-    p, held, downloads = _finisher(monkeypatch, [
-        {"m1": (9, "W"), "m2": (9, "W"), "slow": (8, "V")},
-        {"m1": "X", "m2": "X", "slow": (8, "V")},
-        {"m1": "X", "m2": "X", "slow": "X"},
-    ], first_choice=[])
-    lines: list[str] = []
-    p.status, p._finished_with = SimpleNamespace(log=lines.append), frozenset({"m1", "m2", "me"})
+    # last round alongside: their records showed the step before for one re-signing period (5 s here).
+    # And in CI, c confirmed the last round, then stopped (SIGSTOP) before applying it: its record stays
+    # behind, and it must be named (the finishers wait for it)
+    import diloco_swarm.node.statesync as statesync_mod
+    before = [{"m1": (9, "W"), "m2": (9, "W"), "c": (9, "W"), "slow": (8, "V")}] * 4
+    p, held, downloads = _finisher(monkeypatch, before + [{"m1": "X", "m2": "X", "c": (9, "W"), "slow": (8, "V")}],
+                                   first_choice=[])
+    lines: list[tuple[float, str]] = []
+    p.status = SimpleNamespace(log=lambda line: lines.append((statesync_mod.time.monotonic(), line)))
     p._end_on_one_model()
     assert downloads == [] and len(lines) == 1, lines
-    assert lines[0].startswith("1 peer is still behind (outer step 8): serving it this final state"), lines
+    when, line = lines[0]
+    assert line.startswith("2 peers are still behind (outer step 8): serving them this final state"), line
+    assert 2 * 5.0 <= when < 2 * 5.0 + 2, when  # after two re-signing periods, not before

@@ -779,7 +779,6 @@ class Node(Startup, StateSync, Mixing):
                      late: bool = False) -> None:
         """Checkpoint (written on the checkpoint thread), evaluation within its time budget, the
         metrics record and the status line; DHT upkeep on the housekeeping thread."""
-        self._finished_with = frozenset(outcome.result.group_peer_ids) if outcome.result.ok else frozenset()
         self._save_checkpoint_in_background()
         if not self.client_mode:
             self.averager.state_sharing_priority = self._donor_priority()

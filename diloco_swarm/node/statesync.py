@@ -36,6 +36,10 @@ MAX_END_SYNCS = 3  # diverged downloads at the end of a run: the canonical state
 # finishers leave a paused peer behind on 1 hung ping, and once more under a 3-in-a-row rule), and the
 # wait is 120 s long
 LINGER_GONE_AFTER_S = 10.0
+# ... and names the peers behind only once their records stayed behind this many re-signing periods: the
+# peers that just finished the last round with us show the step before for one (a newcomer read "5 peers
+# are still behind" while 3 of them were not)
+BEHIND_FOR_RECORDS = 2
 
 
 @dataclass
@@ -129,10 +133,6 @@ def gather_evidence(entries, me: str, my_step: int = 0, my_marks=()) -> Evidence
 
 class StateSync:
     """Join sync, reconcile and state donation of a :class:`~diloco_swarm.node.runner.Node`."""
-
-    # the members of our last verified round, which applied its average with us: at the end of a run
-    # their records may show the step before for one re-signing period, and they are not "behind"
-    _finished_with: frozenset[str] = frozenset()
 
     def _state_for_donation(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """(metadata, θ_global tensors + outer momentum tensors), a consistent snapshot."""
@@ -287,7 +287,9 @@ class StateSync:
             return
         self.stats.phase_eta = 0.0
         self.records.publish_now()
-        deadline, said, synced = time.monotonic() + FINISH_LINGER_S, False, 0  # (synced: diverged downloads made)
+        started = time.monotonic()
+        deadline, said, synced = started + FINISH_LINGER_S, False, 0  # (synced: diverged downloads made)
+        say_from = started + BEHIND_FOR_RECORDS * self.records.interval_s
         # peer id -> (its outer step, its record's owner, whether it answers pings); None: not known
         behind: dict[str, tuple[int | None, str | None, bool]] = {p: (None, None, True) for p in self._recent_peers}
         unanswered_since: dict[str, float] = {}  # silent peer -> when its first probe of a failing run ended
@@ -354,16 +356,13 @@ class StateSync:
             if not behind and not others:
                 return
             # a silent peer is named once it answered: one that just left (its goodbye unseen) never does
-            # (not the members of our last round: a newcomer read "5 peers are still behind" while 3 of
-            # them had just finished it with us, their records a re-signing period old)
-            named = {p: v for p, v in behind.items() if p not in self._finished_with}
-            if not said and (others or any(p in records or p not in unanswered for p in named)):
+            if not said and time.monotonic() >= say_from and (others or any(p in records or p not in unanswered for p in behind)):
                 said = True
-                n = len(named) + len(others)
+                n = len(behind) + len(others)
                 who, it = ("1 peer is", "it") if n == 1 else (f"{n} peers are", "them")
-                steps = [s for s, _, _ in named.values() if s is not None]
+                steps = [s for s, _, _ in behind.values() if s is not None]
                 where = (f"behind (outer step {min(steps)})" if steps else
-                         "silent (no fresh record) but answering" if named else
+                         "silent (no fresh record) but answering" if behind else
                          f"on another θ_global at outer step {self.outer_step}")
                 self.status.log(f"{who} still {where}: serving {it} this final state for up to "
                                 f"{FINISH_LINGER_S:.0f}s before leaving (Ctrl+C leaves now)")
