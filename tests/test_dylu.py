@@ -108,3 +108,40 @@ def test_a_peer_that_looks_for_a_group_in_the_round_being_planned_is_due_now(mon
     plan, due, gone = p._plan_round(handoff, {})
     assert plan.round_no == 3 and "in-round" in plan.expected and "elsewhere" in plan.late, plan
     assert due < now + 10.0 and gone == set()
+
+
+def test_a_grid_round_ahead_of_the_swarm_waits_until_the_swarm_reaches_its_step():
+    # Node._wait_for_swarm: at outer step 4 with four of six peers at 3, it re-reads the records until
+    # half the swarm is at 4, naming its round in its record meanwhile; bounded by --averaging-window
+    import threading
+
+    from diloco_swarm.node.outer_sync import RoundControl
+
+    rec = lambda step: SimpleNamespace(outer_step=step)  # noqa: E731
+    reads = [{"me": rec(4), "e": rec(4), "a": rec(3), "b": rec(3), "c": rec(3), "f": rec(3)}] * 2
+    reads.append({**reads[0], "a": rec(4)})
+    p = Node.__new__(Node)
+    p.peer_id, p.cfg = "me", SimpleNamespace(averaging_window=30.0)
+    p.stats, published = SimpleNamespace(averaging_round=None, ahead_wait_s=0.0), []
+    p.records = SimpleNamespace(publish_now=lambda: published.append(p.stats.averaging_round))
+    p._housekeeping = SimpleNamespace(submit=lambda fn: fn())
+    p._read_records = lambda: reads.pop(0)
+    control = RoundControl()
+    waits: list[float] = []
+    control.stop = SimpleNamespace(wait=lambda s: waits.append(s) or False, is_set=lambda: False)
+    handoff = SimpleNamespace(outer_step=4)
+    last = p._wait_for_swarm(handoff, control, reads.pop(0))
+    assert last["a"].outer_step == 4 and len(waits) == 2 and published == [4] and p.stats.averaging_round is None
+    assert p.stats.ahead_wait_s > 0
+
+    # not ahead: no read, no wait
+    waits.clear()
+    assert p._wait_for_swarm(SimpleNamespace(outer_step=3), control, last) is None and waits == []
+
+    # bounded: a swarm that never catches up is waited for --averaging-window seconds at most
+    p.cfg.averaging_window = 0.05
+    p._read_records = lambda: {"me": rec(4), "a": rec(3), "b": rec(3)}
+    control.stop = threading.Event()
+    t0 = time.monotonic()
+    p._wait_for_swarm(handoff, control, p._read_records())
+    assert time.monotonic() - t0 < 2.0

@@ -235,3 +235,17 @@ def test_a_planned_member_in_a_later_round_or_past_ours_will_not_come():
     assert moved_past(9, 10, None) and moved_past(9, 9, 10) and moved_past(9, 8, 10)
     assert not moved_past(9, 9, None) and not moved_past(9, 9, 9) and not moved_past(9, 9, 8)
     assert not moved_past(9, "10", None) and not moved_past(9, 9, True) and not moved_past(9, None, 10.5)
+
+
+def test_a_grid_round_waits_while_its_peer_is_past_the_swarms_step():
+    from diloco_swarm.averaging.grouping import ahead_of_swarm, swarm_step
+
+    # CI, 6 peers in pairs: d and e averaged step 3, then planned step 4 while the others were at 3
+    assert swarm_step(4, [4, 3, 3, 3, 3]) == 3 and ahead_of_swarm(4, [4, 3, 3, 3, 3])
+    assert not ahead_of_swarm(4, [4, 4, 3, 3, 3])  # half the swarm at 4: the upper median is 4
+    assert not ahead_of_swarm(3, [4, 4, 3, 3, 3])  # at or behind the swarm: never waits
+    assert not ahead_of_swarm(4, [3])  # a pair: the upper median of two is the step ahead
+    assert not ahead_of_swarm(7, [])  # alone
+    # untrusted claims: junk is ignored, one liar far ahead moves the median as one peer of six
+    assert ahead_of_swarm(4, [3, 3, 3, 10**18, "4", None, True, -1])
+    assert not ahead_of_swarm(4, [3, 3, 10**18, 10**18])

@@ -152,6 +152,34 @@ def grid_group_quorum(planned: int) -> int:
     return max(2, planned // 2 + 1)
 
 
+def _is_count(v: object) -> bool:
+    """An untrusted value from a peer's record or gathered data that is an int ≥ 0 (not a bool)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def swarm_step(own_step: int, steps: Sequence[object]) -> int:
+    """The swarm's outer step as a peer at ``own_step`` sees it: the upper median of the other peers'
+    claimed ``steps`` (untrusted: values that are not ints ≥ 0 are ignored) and ours."""
+    valid = sorted([s for s in steps if _is_count(s)] + [own_step])
+    return valid[len(valid) // 2]
+
+
+def ahead_of_swarm(own_step: int, steps: Sequence[object]) -> bool:
+    """Whether a grid round at ``own_step`` must wait for the swarm before it plans: the peer is past
+    :func:`swarm_step`, so averaging would put it two steps ahead of the swarm.
+
+    Grid groups are disjoint, so no quorum of the swarm bounds them: a pair of fast peers that the
+    grid puts together in consecutive rounds averages step after step while the others take one
+    (the 6-peer pairs test in CI: d and e, both alone on partial lines of a 2 × 2 × 2 grid, averaged
+    steps 3 and 4 within 3 s). The peers behind then download state (``lagging``) and partners at
+    different steps miss each other, so the grid stops mixing. Waiting until the swarm reaches our
+    step bounds the spread to one step (bounded staleness, as Async Local-SGD's, arXiv 2401.09135);
+    in overlap mode the inner phase goes on meanwhile. A claim far ahead (a liar) moves the upper
+    median only as one peer of many.
+    """
+    return own_step > swarm_step(own_step, steps)
+
+
 def step_quorum_problem(steps: Sequence[object], online: int) -> str | None:
     """Why a whole-swarm group must not run its round (a line), or None when it may.
 
@@ -170,7 +198,7 @@ def step_quorum_problem(steps: Sequence[object], online: int) -> str | None:
         neither at ``s`` nor behind it).
     :param online: peers of the run online now, as the group agrees on it (≥ 1).
     """
-    valid = [s for s in steps if isinstance(s, int) and not isinstance(s, bool) and s >= 0]
+    valid = [s for s in steps if _is_count(s)]
     if not valid:
         return "no member gave a valid outer step"
     newest = max(valid)
@@ -201,12 +229,8 @@ def round_number(own_step: int, others: Sequence[tuple[int, int | None]]) -> int
         not ints ≥ 0 are ignored.
     :returns: an int ≥ ``own_step``.
     """
-    def valid(v: object) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-    steps = sorted([s for s, _ in others if valid(s)] + [own_step])
-    swarm = max(own_step, steps[len(steps) // 2])
-    joined = [r for s, r in others if s == own_step and valid(r) and own_step <= r <= swarm]
+    swarm = max(own_step, swarm_step(own_step, [s for s, _ in others]))
+    joined = [r for s, r in others if s == own_step and _is_count(r) and own_step <= r <= swarm]
     return max(joined) if swarm > own_step and joined else swarm
 
 
@@ -214,10 +238,7 @@ def moved_past(round_no: int, outer_step: object, averaging_round: object) -> bo
     """Whether a planned member will not come to round ``round_no`` any more: its record shows an
     outer step past it (it averaged the round without us) or a later round in flight (it looks for a
     group there, :func:`round_number`). Untrusted values that are not ints count as neither."""
-    def later(v: object) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v > round_no
-
-    return later(outer_step) or later(averaging_round)
+    return any(_is_count(v) and v > round_no for v in (outer_step, averaging_round))
 
 
 def plan_round(

@@ -57,6 +57,7 @@ MAX_CARRIED_ROUNDS = 2  # a peer late this many rounds in a row applies its carr
 GRID_DIMS_GUESS = 3  # with --target-group-size set, keep mixing references for a grid this deep until one is planned
 SILENT_RECORDS = 2  # a peer whose record missed this many re-signing periods (as we read it) crashed
 MOVED_ON_READ_EVERY_S = 2.0  # a late round reads the records this often to see whether its group ran without it
+AHEAD_READ_EVERY_S = 1.0  # a grid round ahead of the swarm reads the records this often to see it catch up
 GRID_MEMORY_S = 20.0  # a peer whose record a read missed stays in the round's grid this long (a partial read under load)
 HEARD_MEMORY_S = 120.0  # how long we remember when a peer's record last changed
 
@@ -558,6 +559,10 @@ class Node(Startup, StateSync, Mixing):
             return RoundResult(ok=False, group_size=1, reason="the other peers finished the run (--max-outer-steps) "
                                "without us"), own, False, ""
         plan, due, gone = self._plan_round(handoff, records)
+        fresh = self._wait_for_swarm(handoff, control, records) if len(plan.groups) > 1 else None
+        if fresh is not None:  # we waited for the swarm to reach our step: plan with what it is now
+            records = fresh
+            plan, due, gone = self._plan_round(handoff, records)
         if self.sync.overlap and gone and not (set(records) - gone - {self.peer_id}):
             # the only other peers crashed moments ago (their records outlive them): nobody to wait for
             return RoundResult(ok=False, group_size=1, reason="no other peer online (the others are gone)"), own, True, ""
@@ -585,6 +590,37 @@ class Node(Startup, StateSync, Mixing):
         finally:
             self.stats.averaging_round = None
         return result, average, not others, key if grid else ""
+
+    def _wait_for_swarm(self, handoff: Handoff, control: RoundControl,
+                        records: dict[str, Any]) -> dict[str, Any] | None:
+        """Before a grid round: while our outer step is past the swarm's (``grouping.ahead_of_swarm``:
+        averaging now would put us two steps ahead), re-read the records every
+        :data:`AHEAD_READ_EVERY_S` until the swarm reaches our step, at most ``--averaging-window``
+        seconds (the peers behind may be stuck: the round then goes on as before) or until the round is
+        stopped or given up. Meanwhile our record names our round (``averaging_round``), so the peers
+        that reach our step count us due now.
+        :returns: the records read last (to plan anew), or None when we were not ahead (no wait).
+        :raises ChildUnavailable: the DHT did not answer a read in time (the round then fails)."""
+        from diloco_swarm.averaging.grouping import ahead_of_swarm
+
+        def ahead() -> bool:
+            return ahead_of_swarm(handoff.outer_step, [r.outer_step for p, r in records.items() if p != self.peer_id])
+
+        if not ahead():
+            return None
+        self.stats.averaging_round = handoff.outer_step
+        with contextlib.suppress(RuntimeError):  # (the node is closing)
+            self._housekeeping.submit(self.records.publish_now)
+        t0 = time.monotonic()
+        try:
+            while ahead() and time.monotonic() - t0 < self.cfg.averaging_window:
+                if control.stop.wait(AHEAD_READ_EVERY_S) or control.give_up.is_set():
+                    break
+                records = self._read_records()
+        finally:
+            self.stats.averaging_round = None
+            self.stats.ahead_wait_s += time.monotonic() - t0
+        return records
 
     def _gone_members(self, peers: Sequence[str]) -> set[str]:
         """Those of a round's ``peers`` whose process is gone (``node/redial.py: ProbePeers``), for the

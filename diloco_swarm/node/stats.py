@@ -26,6 +26,7 @@ class NodeStats:
     wasted_inner_s: float = 0.0  # inner steps whose Δ was thrown away (never averaged and not carried, stop)
     averaging_s: float = 0.0  # the training thread waiting for a round (blocking mode: the whole round)
     sync_s: float = 0.0  # waiting for peers and downloading state
+    ahead_wait_s: float = 0.0  # grid rounds waiting, before they plan, for the swarm to reach our outer step
     eval_s: float = 0.0  # held-out evaluation on the training thread
     failed_rounds: int = 0  # a group formed, but its round was partial or unconfirmed (no average applied)
     solo_rounds: int = 0  # no group formed
@@ -81,6 +82,7 @@ class NodeStats:
             "wasted_inner_s": round(self.wasted_inner_s, 3),
             "averaging_total_s": round(self.averaging_s, 3),
             "sync_s": round(self.sync_s, 3),
+            "ahead_wait_s": round(self.ahead_wait_s, 3),
             "eval_s": round(self.eval_s, 3),
             "wall_s": round(self.wall_s(), 3),
             "goodput": round(self.goodput(), 4),
