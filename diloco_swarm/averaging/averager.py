@@ -49,7 +49,7 @@ from diloco_swarm.averaging.allreduce import (
 )
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S, FAILED_MARK, OutcomeBoard, ask_outcomes, valid_outcome
-from diloco_swarm.averaging.grouping import grid_group_quorum, majority_quorum, step_quorum_problem
+from diloco_swarm.averaging.grouping import grid_group_quorum, is_count, majority_quorum, step_quorum_problem
 from diloco_swarm.averaging.mixing import mixing_group_id
 from diloco_swarm.averaging.reachability import Responder
 from diloco_swarm.dht.calls import ChildGone, ChildUnavailable, bounded, dht_get, dht_store
@@ -506,11 +506,11 @@ class PseudoGradientAverager(DecentralizedAverager):
         if not (isinstance(bits, str) and len(bits) <= 64 and set(bits) <= {"0", "1"}):
             bits = ""
         # a planned group may hold one more than the cap (grouping.plan_round: nobody averages alone)
-        if not (isinstance(target, int) and not isinstance(target, bool) and 2 <= target <= self._max_group_size + 1):
+        if not is_count(target, 2, self._max_group_size + 1):
             target = self._default_target_group_size
-        if not (isinstance(online, int) and not isinstance(online, bool)):
+        if not is_count(online):
             online = None
-        if not (isinstance(cap, int) and not isinstance(cap, bool) and 2 <= cap <= self._max_group_size):
+        if not is_count(cap, 2, self._max_group_size):
             cap = self._default_target_group_size
         return bits, target, online, cap
 
@@ -1111,8 +1111,7 @@ def _largest_weight(gathered: dict[str, Any]) -> float:
 def _upper_median(metas: list[dict], field: str) -> int | None:
     """The upper median of the members' claimed ``field`` (untrusted: only ints ≥ 1 count), or None:
     a few members cannot move it past what most of them said."""
-    claims = sorted(v for v in (m.get(field) for m in metas)
-                    if isinstance(v, int) and not isinstance(v, bool) and v >= 1)
+    claims = sorted(v for v in (m.get(field) for m in metas) if is_count(v, 1))
     return claims[len(claims) // 2] if claims else None
 
 

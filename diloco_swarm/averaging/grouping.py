@@ -152,15 +152,16 @@ def grid_group_quorum(planned: int) -> int:
     return max(2, planned // 2 + 1)
 
 
-def _is_count(v: object) -> bool:
-    """An untrusted value from a peer's record or gathered data that is an int ≥ 0 (not a bool)."""
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+def is_count(v: object, low: int = 0, high: int | None = None) -> bool:
+    """Whether an untrusted value (a peer's record, gathered data) is an int (not a bool) in
+    ``[low, high]`` (no upper bound when ``high`` is None)."""
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v and (high is None or v <= high)
 
 
 def swarm_step(own_step: int, steps: Sequence[object]) -> int:
     """The swarm's outer step as a peer at ``own_step`` sees it: the upper median of the other peers'
     claimed ``steps`` (untrusted: values that are not ints ≥ 0 are ignored) and ours."""
-    valid = sorted([s for s in steps if _is_count(s)] + [own_step])
+    valid = sorted([s for s in steps if is_count(s)] + [own_step])
     return valid[len(valid) // 2]
 
 
@@ -198,7 +199,7 @@ def step_quorum_problem(steps: Sequence[object], online: int) -> str | None:
         neither at ``s`` nor behind it).
     :param online: peers of the run online now, as the group agrees on it (≥ 1).
     """
-    valid = [s for s in steps if _is_count(s)]
+    valid = [s for s in steps if is_count(s)]
     if not valid:
         return "no member gave a valid outer step"
     newest = max(valid)
@@ -230,7 +231,7 @@ def round_number(own_step: int, others: Sequence[tuple[int, int | None]]) -> int
     :returns: an int ≥ ``own_step``.
     """
     swarm = max(own_step, swarm_step(own_step, [s for s, _ in others]))
-    joined = [r for s, r in others if s == own_step and _is_count(r) and own_step <= r <= swarm]
+    joined = [r for s, r in others if s == own_step and is_count(r) and own_step <= r <= swarm]
     return max(joined) if swarm > own_step and joined else swarm
 
 
@@ -238,7 +239,7 @@ def moved_past(round_no: int, outer_step: object, averaging_round: object) -> bo
     """Whether a planned member will not come to round ``round_no`` any more: its record shows an
     outer step past it (it averaged the round without us) or a later round in flight (it looks for a
     group there, :func:`round_number`). Untrusted values that are not ints count as neither."""
-    return any(_is_count(v) and v > round_no for v in (outer_step, averaging_round))
+    return any(is_count(v) and v > round_no for v in (outer_step, averaging_round))
 
 
 def plan_round(

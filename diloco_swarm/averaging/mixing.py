@@ -29,6 +29,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from diloco_swarm.averaging.grouping import is_count
+
 MAX_MARKS = 8  # (outer step, θ digest) pairs a member may list in its gathered metadata
 DOWNLOAD_BYTES_PER_VALUE = 8  # a state download: θ_global + outer momentum, fp32
 MIX_BYTES_PER_VALUE = 2  # a mix: two int8 tensor sets (θ differences and momentum)
@@ -80,8 +82,7 @@ def states_of(meta: Any) -> tuple[State, list[State]] | None:
 
 
 def _valid_state(step: Any, digest: Any) -> bool:
-    return (isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 1 << 53
-            and isinstance(digest, str) and bool(_DIGEST.fullmatch(digest)))
+    return is_count(step, 0, (1 << 53) - 1) and isinstance(digest, str) and bool(_DIGEST.fullmatch(digest))
 
 
 def plan_mix(gathered: Mapping[str, Any]) -> MixPlan | None:
