@@ -356,7 +356,8 @@ class StateSync:
             if not behind and not others:
                 return
             # a silent peer is named once it answered: one that just left (its goodbye unseen) never does
-            if not said and time.monotonic() >= say_from and (others or any(p in records or p not in unanswered for p in behind)):
+            answering = any(p in records or p not in unanswered for p in behind)
+            if not said and time.monotonic() >= say_from and (others or answering):
                 said = True
                 n = len(behind) + len(others)
                 who, it = ("1 peer is", "it") if n == 1 else (f"{n} peers are", "them")
