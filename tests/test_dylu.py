@@ -145,3 +145,71 @@ def test_a_grid_round_ahead_of_the_swarm_waits_until_the_swarm_reaches_its_step(
     t0 = time.monotonic()
     p._wait_for_swarm(handoff, control, p._read_records())
     assert time.monotonic() - t0 < 2.0
+
+
+def _rounder(records: dict, plan, gone: set):
+    """A node whose _average reads ``records`` and plans ``plan`` (finding ``gone`` gone), with no
+    averager: :returns: (the node, the calls of _wait_for_swarm)."""
+    from diloco_swarm.node.outer_sync import RoundControl
+
+    p = Node.__new__(Node)
+    p.peer_id, p.client_mode, p._warned_no_public = "me", False, False
+    p.cfg = SimpleNamespace(max_outer_steps=0, averaging_window=30.0, matchmaking_time=2.0)
+    p.sync = SimpleNamespace(overlap=True)
+    p.averager = SimpleNamespace(donors=lambda: {}, average=lambda *a, **kw: (_ for _ in ()).throw(
+        AssertionError("no round may start")))
+    p._read_records, p._note_swarm = (lambda: records), (lambda r: None)
+    p._plan_round = lambda handoff, recs: (plan, time.time(), gone)
+    waits = []
+    p._wait_for_swarm = lambda handoff, control, recs: waits.append(handoff.outer_step)
+    return p, waits, RoundControl()
+
+
+def test_a_grid_group_whose_other_members_are_all_gone_ends_at_once():
+    # A newcomer killed 1 of 6 peers in pairs: its partners' next plans still held it (its record lives
+    # on, and the others' grids keep it), the probe found it gone, and each partner sat out its 30 s
+    # window under a key nobody else would use, stalling the peers planned with it next
+    from diloco_swarm.averaging.grouping import plan_round
+
+    records = {p: SimpleNamespace(outer_step=5, reachability="public") for p in ("me", "dead", "a", "b", "c", "d")}
+    plan = plan_round(5, {p: 0.0 for p in records}, max_group_size=2)
+    partner = [q for q in plan.group_of("me")[1] if q != "me"]
+    p, waits, control = _rounder(records, plan, set(partner))
+    handoff = SimpleNamespace(outer_step=5, delta=[], tokens=1)
+    t0 = time.monotonic()
+    result, average, alone, key = p._average(handoff, control)
+    assert time.monotonic() - t0 < 1.0
+    assert not result.ok and result.reason == "the other planned members are gone" and not alone and key
+    assert waits == [5]  # (a grid round checks first whether it is ahead of the swarm)
+
+
+def test_a_pair_planned_as_one_group_beyond_the_cap_checks_whether_it_is_ahead():
+    # A newcomer's kill: with the others late in its plan, a fast pair planned one group of 2 ("r7:all")
+    # among 6 online peers and ran 3 steps ahead; only grid plans waited for the swarm
+    from diloco_swarm.averaging.grouping import plan_round
+
+    records = {p: SimpleNamespace(outer_step=s, reachability="public")
+               for p, s in (("me", 7), ("fast", 7), ("a", 6), ("b", 6), ("c", 5), ("d", 5))}
+    etas = {"me": 0.0, "fast": 0.0, **{q: float("inf") for q in "abcd"}}
+    plan = plan_round(7, etas, max_group_size=2)
+    assert len(plan.groups) == 1
+    p, waits, control = _rounder(records, plan, set())
+    p.averager.average = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("stop here"))
+    p._round_metadata = lambda handoff: {}
+    p._contribution = lambda delta: delta
+    p.history, p._history_floor = SimpleNamespace(resize=lambda n: None), 0
+    p.stats = SimpleNamespace(averaging_round=None)
+    try:
+        p._average(SimpleNamespace(outer_step=7, delta=[], tokens=1), control)
+    except RuntimeError:
+        pass
+    assert waits == [7]
+    # the whole swarm within the cap: the step rule bounds its one group, no wait
+    waits.clear()
+    within = plan_round(7, etas, max_group_size=64)
+    p._plan_round = lambda handoff, recs: (within, time.time(), set())
+    try:
+        p._average(SimpleNamespace(outer_step=7, delta=[], tokens=1), control)
+    except RuntimeError:
+        pass
+    assert waits == []

@@ -559,15 +559,24 @@ class Node(Startup, StateSync, Mixing):
             return RoundResult(ok=False, group_size=1, reason="the other peers finished the run (--max-outer-steps) "
                                "without us"), own, False, ""
         plan, due, gone = self._plan_round(handoff, records)
-        fresh = self._wait_for_swarm(handoff, control, records) if len(plan.groups) > 1 else None
+        # groups smaller than the swarm (a grid, or the few peers coming mid-run): no quorum of the swarm
+        # bounds them, so a peer ahead of the swarm waits for it first
+        beyond_cap = len(plan.groups) > 1 or len(set(records) | {self.peer_id}) > plan.max_group_size
+        fresh = self._wait_for_swarm(handoff, control, records) if beyond_cap else None
         if fresh is not None:  # we waited for the swarm to reach our step: plan with what it is now
             records = fresh
             plan, due, gone = self._plan_round(handoff, records)
         if self.sync.overlap and gone and not (set(records) - gone - {self.peer_id}):
             # the only other peers crashed moments ago (their records outlive them): nobody to wait for
             return RoundResult(ok=False, group_size=1, reason="no other peer online (the others are gone)"), own, True, ""
-        key, members = plan.group_of(self.peer_id)
-        members = tuple(p for p in members if p not in gone)
+        key, planned = plan.group_of(self.peer_id)
+        members = tuple(p for p in planned if p not in gone)
+        if len(plan.groups) > 1 and len(planned) > 1 and len(members) < 2:
+            # every other member of our grid group is gone: the others' plans keep a crashed peer until its
+            # record expires, so nobody else comes under our key, and waiting out the window stalled us and
+            # the peers planned with us next (a newcomer's kill: 3 of 5 survivors sat out 30 s windows).
+            # Late: our Δ goes into the next round
+            return RoundResult(ok=False, group_size=1, reason="the other planned members are gone"), own, False, key
         # the leader starts as soon as all of them are in (hivemind's target size): the matchmaking time
         # on top only gives the slower of them (a loaded machine reads the DHT slowly) time to find it
         start = due + self.cfg.matchmaking_time
