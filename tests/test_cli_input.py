@@ -77,6 +77,9 @@ CASES = {
     # an unbounded timeout would make every call into the averager unbounded (click's ranges let inf through)
     "window-inf": (["--averaging-window", "inf"], ["--averaging-window must be a finite number"]),
     "allreduce-timeout-inf": (["--allreduce-timeout", "inf"], ["--allreduce-timeout must be a finite number"]),
+    # finite but endless: a node waited for its last round forever once its peers had left (a newcomer's 1e308)
+    "window-huge": (["--averaging-window", "1e308"], ["--averaging-window", "less than or equal to 3600"]),
+    "allreduce-timeout-huge": (["--allreduce-timeout", "1e9"], ["--allreduce-timeout", "less than or equal to 3600"]),
     "outer-lr-inf": (["--outer-lr", "inf"], ["--outer-lr", "finite number"]),
     # a range check fails on nan first: it said "should be less than or equal to 1" of no number at all
     "eval-budget-nan": (["--eval-budget", "nan"], ["--eval-budget must be a finite number, got nan"]),
