@@ -43,6 +43,38 @@ def test_other_errors_keep_their_traceback(caplog):
     assert records[0].levelno == logging.ERROR and records[0].exc_info is not None
 
 
+def test_a_dht_call_answered_after_its_caller_gave_up_is_one_debug_line(caplog):
+    # a newcomer's loaded 6-node run: two tracebacks ("Can't set_result to a future that is CANCELLED",
+    # then "Task exception was never retrieved") for one bounded call that had timed out
+    import asyncio
+    from concurrent.futures import InvalidStateError
+
+    from hivemind.dht import DHT
+
+    gave_up = InvalidStateError("Can't set_result to a future that is CANCELLED (123)")
+    records = _log_from("_run_coroutine", "hivemind.dht.dht", gave_up, caplog)
+    assert len(records) == 1 and records[0].levelno == logging.DEBUG and records[0].exc_info is None
+    records = _log_from("_run_coroutine", "hivemind.dht.dht", RuntimeError("boom"), caplog)
+    assert records[0].levelno == logging.ERROR and records[0].exc_info is not None  # a real failure keeps it
+
+    class Cancelled:
+        def set_result(self, value):
+            raise InvalidStateError("Can't set_result to a future that is CANCELLED (123)")
+
+        set_exception = set_result
+
+    async def coro(dht, node):
+        return 1
+
+    from types import SimpleNamespace
+
+    dht = SimpleNamespace(_node=None)  # (all _run_coroutine reads of its DHT)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="hivemind.dht.dht"):
+        assert asyncio.run(DHT._run_coroutine(dht, coro, Cancelled())) is None  # no exception left in the task
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+
+
 def test_a_partial_rounds_rounded_percentage_is_demoted_to_debug(caplog):
     """hivemind's "received 100.0% results" for a round with a few values missing would contradict the
     node's own exact line; it stays visible at DEBUG."""

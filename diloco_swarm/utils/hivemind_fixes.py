@@ -25,7 +25,10 @@ request still queued while the node exits cannot be read any more: the child's l
 fetch is Python's ``multiprocessing.resource_sharer`` thread, which hands the pipe's descriptor
 over: a child killed mid-fetch (SIGTERM to the process group) made it print a
 ``ConnectionResetError`` traceback through ``sys.excepthook``; :func:`_quiet_fd_sharer_errors`
-makes that one debug line too.
+makes that one debug line too. A DHT call answered after its bounded caller gave up (dht/calls.py
+cancels the cross-process future) made the DHT process log ``InvalidStateError ... CANCELLED`` twice
+with tracebacks; :class:`_QuietCancelledReplies` and :func:`_reply_unless_cancelled` make it one
+debug line.
 
 Busy matchmaking. While a peer looks for a group and no leader is in sight (a lone peer, or the
 first to arrive), hivemind's ``PotentialLeaders`` re-reads the group key from the DHT as soon as
@@ -55,6 +58,7 @@ whose lock no running process holds.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import fcntl
 import functools
@@ -166,6 +170,44 @@ class _QuietPipeErrors(logging.Filter):
                 f"a request from the parent process could not be read ({exc!r}); is it exiting?", None, None, None)
             return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
         return True
+
+
+def _cancelled_reply(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is hivemind's refusal to answer a call whose caller gave up on it: our bounded
+    DHT calls (dht/calls.py) cancel the cross-process future when their time is up, and the DHT process
+    then cannot set the late result (``InvalidStateError: ... future that is CANCELLED``)."""
+    return isinstance(exc, concurrent.futures.InvalidStateError) and "CANCELLED" in str(exc)
+
+
+class _QuietCancelledReplies(logging.Filter):
+    """Demote hivemind's traceback for a DHT call answered after its caller gave up (see
+    :func:`_cancelled_reply`; a newcomer saw it in the first minute of a loaded 6-node run) to one
+    debug line: the caller already reported its timeout."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if record.funcName == "_run_coroutine" and _cancelled_reply(exc):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "a DHT call finished after its caller had given up on it (a bounded call timed out)", None, None, None)
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+def _reply_unless_cancelled(method):
+    """Wrap ``DHT._run_coroutine``: its second attempt to answer (``set_exception``) raises the same
+    refusal, which asyncio then printed as "Task exception was never retrieved"."""
+
+    @functools.wraps(method)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await method(*args, **kwargs)
+        except concurrent.futures.InvalidStateError as e:
+            if not _cancelled_reply(e):
+                raise
+
+    wrapper.__replies_unless_cancelled__ = True
+    return wrapper
 
 
 class _QuietPartialResults(logging.Filter):
@@ -331,6 +373,11 @@ def patch_hivemind() -> None:
     from hivemind.averaging import DecentralizedAverager
     from hivemind.dht import DHT
 
+    run_coroutine = DHT.__dict__.get("_run_coroutine")
+    if run_coroutine is not None and not getattr(run_coroutine, "__keeps_task_alive__", False) and not getattr(
+        run_coroutine, "__replies_unless_cancelled__", False
+    ):
+        DHT._run_coroutine = _reply_unless_cancelled(run_coroutine)
     for cls, names in (
         (DHT, ("_run_coroutine", "_get", "_store")),
         (DecentralizedAverager, ("_step", "_load_state_from_peers", "_get_group_bits", "_set_group_bits",
@@ -353,6 +400,9 @@ def patch_hivemind() -> None:
         log = logging.getLogger(name)
         if not any(isinstance(f, _QuietPipeErrors) for f in log.filters):
             log.addFilter(_QuietPipeErrors())
+    dht_log = logging.getLogger("hivemind.dht.dht")
+    if not any(isinstance(f, _QuietCancelledReplies) for f in dht_log.filters):
+        dht_log.addFilter(_QuietCancelledReplies())
     if not getattr(sys.excepthook, "__quiet_fd_sharer__", False):
         sys.excepthook = _quiet_fd_sharer_errors(sys.excepthook)
     key_log = logging.getLogger("hivemind.averaging.key_manager")
