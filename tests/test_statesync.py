@@ -186,21 +186,3 @@ def test_two_finishers_that_swapped_states_do_not_swap_back(monkeypatch):
     p, held, downloads = _finisher(monkeypatch, [{"a": "Y"}, {"a": "X"}], first_choice=["a"])
     p._end_on_one_model()
     assert downloads == [["a"]] and held == ["Y"]  # 1 of 2 is no majority: it leaves on Y, as before
-
-
-def test_a_finisher_names_only_the_peers_whose_records_stay_behind(monkeypatch):
-    # A newcomer read "5 peers are still behind (outer step 10)" while 3 of them had just finished the
-    # last round alongside: their records showed the step before for one re-signing period (5 s here).
-    # And in CI, c confirmed the last round, then stopped (SIGSTOP) before applying it: its record stays
-    # behind, and it must be named (the finishers wait for it)
-    import diloco_swarm.node.statesync as statesync_mod
-    before = [{"m1": (9, "W"), "m2": (9, "W"), "c": (9, "W"), "slow": (8, "V")}] * 4
-    p, held, downloads = _finisher(monkeypatch, before + [{"m1": "X", "m2": "X", "c": (9, "W"), "slow": (8, "V")}],
-                                   first_choice=[])
-    lines: list[tuple[float, str]] = []
-    p.status = SimpleNamespace(log=lambda line: lines.append((statesync_mod.time.monotonic(), line)))
-    p._end_on_one_model()
-    assert downloads == [] and len(lines) == 1, lines
-    when, line = lines[0]
-    assert line.startswith("2 peers are still behind (outer step 8): serving them this final state"), line
-    assert 2 * 5.0 <= when < 2 * 5.0 + 2, when  # after two re-signing periods, not before

@@ -36,10 +36,6 @@ MAX_END_SYNCS = 3  # diverged downloads at the end of a run: the canonical state
 # finishers leave a paused peer behind on 1 hung ping, and once more under a 3-in-a-row rule), and the
 # wait is 120 s long
 LINGER_GONE_AFTER_S = 10.0
-# ... and names the peers behind only once their records stayed behind this many re-signing periods: the
-# peers that just finished the last round with us show the step before for one (a newcomer read "5 peers
-# are still behind" while 3 of them were not)
-BEHIND_FOR_RECORDS = 2
 
 
 @dataclass
@@ -287,9 +283,7 @@ class StateSync:
             return
         self.stats.phase_eta = 0.0
         self.records.publish_now()
-        started = time.monotonic()
-        deadline, said, synced = started + FINISH_LINGER_S, False, 0  # (synced: diverged downloads made)
-        say_from = started + BEHIND_FOR_RECORDS * self.records.interval_s
+        deadline, said, synced = time.monotonic() + FINISH_LINGER_S, False, 0  # (synced: diverged downloads made)
         # peer id -> (its outer step, its record's owner, whether it answers pings); None: not known
         behind: dict[str, tuple[int | None, str | None, bool]] = {p: (None, None, True) for p in self._recent_peers}
         unanswered_since: dict[str, float] = {}  # silent peer -> when its first probe of a failing run ended
@@ -356,8 +350,7 @@ class StateSync:
             if not behind and not others:
                 return
             # a silent peer is named once it answered: one that just left (its goodbye unseen) never does
-            answering = any(p in records or p not in unanswered for p in behind)
-            if not said and time.monotonic() >= say_from and (others or answering):
+            if not said and (others or any(p in records or p not in unanswered for p in behind)):
                 said = True
                 n = len(behind) + len(others)
                 who, it = ("1 peer is", "it") if n == 1 else (f"{n} peers are", "them")
