@@ -602,8 +602,8 @@ class Node(Startup, StateSync, Mixing):
 
     def _wait_for_swarm(self, handoff: Handoff, control: RoundControl,
                         records: dict[str, Any]) -> dict[str, Any] | None:
-        """Before a grid round: while our outer step is past the swarm's (``grouping.ahead_of_swarm``:
-        averaging now would put us two steps ahead), re-read the records every
+        """Before a round of groups smaller than the swarm: while our outer step is past the swarm's
+        (``grouping.ahead_of_swarm``: averaging now would put us two steps ahead), re-read the records every
         :data:`AHEAD_READ_EVERY_S` until the swarm reaches our step, at most ``--averaging-window``
         seconds (the peers behind may be stuck: the round then goes on as before) or until the round is
         stopped or given up. Meanwhile our record names our round (``averaging_round``), so the peers
