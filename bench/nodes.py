@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO
-from bench.procs import cpu_seconds, process_tree
+from bench.procs import cpu_seconds, process_tree, pss_bytes
 from diloco_swarm.node.report import read_metrics
 
 START_TIMEOUT_S = 300.0  # torch + hivemind imports and the dataset on a busy 2-core machine
@@ -36,6 +36,7 @@ class NodeSpec:
     args: list[str]
     prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", NS]
     host: str = "127.0.0.1"
+    join_after_step: int = 0  # a joiner starts once the first node applied this outer step (a state download)
 
 
 @dataclass
@@ -46,6 +47,8 @@ class NodeRun:
     proc: subprocess.Popen | None = None
     # [(time.time(), {pid: (comm, cpu seconds)})], one per poll
     cpu_samples: list[tuple[float, dict[int, tuple[str, float]]]] = field(default_factory=list)
+    # [(time.time(), {pid: (comm, PSS bytes)})], one per poll, when run_nodes(sample_memory=True)
+    pss_samples: list[tuple[float, dict[int, tuple[str, int]]]] = field(default_factory=list)
     exit_code: int | None = None
 
     def records(self, kind: str | None = None) -> list[dict[str, Any]]:
@@ -75,11 +78,13 @@ class NodeRun:
 
 
 def run_nodes(specs: list[NodeSpec], workdir: Path, timeout: float, env: dict[str, str] | None = None,
-              log_tag: str = "") -> list[NodeRun]:
+              log_tag: str = "", cwd: Path = REPO, sample_memory: bool = False) -> list[NodeRun]:
     """Start ``specs`` (each run id's first node first, the others through its address), wait until
-    every node exits by itself (``--max-outer-steps`` in their args), sampling CPU; SIGINT then
-    SIGKILL whatever is left on timeout or error. :raises RuntimeError: a node failed to start or
-    the nodes did not finish in ``timeout`` s."""
+    every node exits by itself (``--max-outer-steps`` in their args), sampling CPU (and with
+    ``sample_memory`` the PSS of every process of every tree, :func:`bench.procs.pss_bytes`);
+    SIGINT then SIGKILL whatever is left on timeout or error. ``cwd``: the checkout whose
+    ``diloco_swarm`` the nodes run (``python -m`` imports it from there).
+    :raises RuntimeError: a node failed to start or the nodes did not finish in ``timeout`` s."""
     workdir.mkdir(parents=True, exist_ok=True)
     runs = [NodeRun(s, workdir / f"{s.name}.jsonl", workdir / f"{s.name}.log") for s in specs]
     handles = []
@@ -92,7 +97,7 @@ def run_nodes(specs: list[NodeSpec], workdir: Path, timeout: float, env: dict[st
                "--metrics-file", str(r.metrics), *(["--initial-peers", initial] if initial else [])]
         log = open(r.log, "w")
         handles.append(log)
-        r.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        r.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
 
     def first_maddr(r: NodeRun, deadline: float) -> str:
         while True:
@@ -110,17 +115,32 @@ def run_nodes(specs: list[NodeSpec], workdir: Path, timeout: float, env: dict[st
                 firsts[r.spec.run_id] = r
                 start(r, None)
         deadline = time.monotonic() + START_TIMEOUT_S
+
+        def poll() -> None:
+            now = time.time()
+            for r in runs:
+                if r.proc is not None and r.proc.poll() is None:
+                    tree = process_tree(r.proc.pid)
+                    r.cpu_samples.append((now, cpu_seconds(tree)))
+                    if sample_memory:
+                        r.pss_samples.append((now, pss_bytes(tree)))
+
         for r in runs:
             if r.proc is None:
-                start(r, first_maddr(firsts[r.spec.run_id], deadline))
+                first = firsts[r.spec.run_id]
+                maddr = first_maddr(first, deadline)
+                while r.spec.join_after_step and first.proc.poll() is None and not any(
+                        e["outer_step"] >= r.spec.join_after_step for e in first.records("outer_step")):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{log_tag}{first.spec.name} did not reach outer step {r.spec.join_after_step}")
+                    poll()
+                    time.sleep(1.0)
+                start(r, maddr)
         deadline = time.monotonic() + timeout
         while any(r.proc.poll() is None for r in runs):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{log_tag}nodes did not finish in {timeout:.0f} s")
-            now = time.time()
-            for r in runs:
-                if r.proc.poll() is None:
-                    r.cpu_samples.append((now, cpu_seconds(process_tree(r.proc.pid))))
+            poll()
             time.sleep(1.0)
         for r in runs:
             r.exit_code = r.proc.returncode

@@ -57,3 +57,20 @@ def cpu_seconds(pids: list[int]) -> dict[int, tuple[str, float]]:
         except OSError:
             continue
     return out
+
+
+def pss_bytes(pids: list[int]) -> dict[int, tuple[str, int]]:
+    """{pid: (comm, proportional set size in bytes)} for the live ones of ``pids``
+    (/proc/PID/smaps_rollup: pages shared by N processes count 1/N in each, so a tree's sum
+    is what it holds of the machine's memory)."""
+    out = {}
+    for pid in pids:
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        kb = next((int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:")), None)
+        if kb is not None:
+            out[pid] = (comm, kb * 1024)
+    return out

@@ -44,7 +44,8 @@ from bench.common import human_bytes, md_table
 LLAMA_ROW_PRESET = "llama-tiny"
 LLAMA_ROW_VARIANTS = ("data-parallel", "DiLoCo int8")
 VARIANTS = ("data-parallel", "DiLoCo fp32", "DiLoCo int8", "no averaging", "DiLoCo int8 overlap",
-            "DiLoCo int8 overlap, ⅓ late", "DiLoCo int8 overlap, ⅓ late, streamed")
+            "DiLoCo int8 overlap, ⅓ late", "DiLoCo int8 overlap, ⅓ late, streamed", "DiLoCo int8, AdamW8bit inner")
+EIGHT_BIT = "DiLoCo int8, AdamW8bit inner"  # --inner-optimizer adamw8bit (node/inner.py): the moments in 8 bits
 # the overlapped variants: after which share of the next phase each round is applied
 OVERLAP_APPLY_AFTER = {"DiLoCo int8 overlap": 1.0, "DiLoCo int8 overlap, ⅓ late": 1 / 3,
                        "DiLoCo int8 overlap, ⅓ late, streamed": 1 / 3}
@@ -90,8 +91,10 @@ def _build(preset: str):
     return build_model(preset, seed=SEED)
 
 
-def _inner_opt(params):
-    return torch.optim.AdamW(params, lr=INNER_LR, betas=(0.9, 0.95), weight_decay=0.1)
+def _inner_opt(params, name: str = "adamw"):
+    from diloco_swarm.node.inner import build_inner_optimizer
+
+    return build_inner_optimizer(name, params, lr=INNER_LR)
 
 
 def _train_steps(model, opt, batches, step0: int, warmup: int) -> int:
@@ -138,7 +141,7 @@ def run_variant(variant: str, cfg: dict[str, Any], threads: int) -> dict[str, An
         from diloco_swarm.averaging import codec
 
         replicas = [_build(cfg["preset"]) for _ in range(k)]
-        opts = [_inner_opt(r.parameters()) for r in replicas]
+        opts = [_inner_opt(r.parameters(), "adamw8bit" if variant == EIGHT_BIT else "adamw") for r in replicas]
         samplers = [BatchSampler(corpus.train, b, T, seed=SEED, stream_id=f"peer-{i}") for i in range(k)]
         shared = variant != "no averaging"
         outers = [OuterOptimizer(replicas[i].parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM)
@@ -161,10 +164,10 @@ def run_variant(variant: str, cfg: dict[str, Any], threads: int) -> dict[str, An
                 steps[i] = _train_steps(rep, opts[i], samplers[i].batches_for_outer_step(t, H), steps[i], warmup)
                 deltas.append(outers[0 if shared else i].pseudo_gradient(rep.parameters()))
             if shared:
-                if variant == "DiLoCo int8":
+                if variant in ("DiLoCo int8", EIGHT_BIT):
                     deltas = [_int8_roundtrip(d, codec) for d in deltas]
                 mean = [sum(ds) / k for ds in zip(*deltas)]
-                if variant == "DiLoCo int8":
+                if variant in ("DiLoCo int8", EIGHT_BIT):
                     mean = _int8_roundtrip(mean, codec)
                 outers[0].step(mean)
                 for rep in replicas:
@@ -225,7 +228,7 @@ def _run_overlap(cfg, corpus, eval_set, warmup: int, apply_after: float = 1.0,
     from diloco_swarm.data import BatchSampler, evaluate
     from diloco_swarm.models import build_model
     from diloco_swarm.node.outer import OuterOptimizer
-    from diloco_swarm.node.outer_sync import OuterSync
+    from diloco_swarm.node.outer_sync import Estimate, OuterSync
 
     k, b, T, H, N = cfg["k"], cfg["batch"], cfg["seq_len"], cfg["H"], cfg["outer_steps"]
     tokens_per_outer = k * b * T * H
@@ -276,10 +279,10 @@ def _run_overlap(cfg, corpus, eval_set, warmup: int, apply_after: float = 1.0,
                 deltas = [_int8_roundtrip(o.pseudo_gradient(p), codec) for o, p in zip(outers, params)]
                 estimates = []
                 for o, p, d, rho in zip(outers, params, deltas, scales):
-                    est = o.preview(_estimate(estimate, d, last_mean, k, rho))
+                    est = Estimate(o, _estimate(estimate, d, last_mean, k, rho))
                     with torch.no_grad():
-                        for q, e in zip(p, est):
-                            q.copy_(e)
+                        for j, q in enumerate(p):
+                            q.copy_(est.tensor(j))
                     estimates.append(est)
                 mean = _int8_roundtrip([sum(ds) / k for ds in zip(*deltas)], codec)
                 pending = (t, mean, estimates, deltas)
@@ -343,6 +346,7 @@ def _bytes_per_peer(cfg, P: int) -> dict[str, float]:
         "DiLoCo int8 overlap": f * P * (codec.wire_bytes(P) / P) * N,
         "DiLoCo int8 overlap, ⅓ late": f * P * (codec.wire_bytes(P) / P) * N,
         "DiLoCo int8 overlap, ⅓ late, streamed": f * P * (codec.wire_bytes(P) / P) * N,
+        EIGHT_BIT: f * P * (codec.wire_bytes(P) / P) * N,
     }
 
 
@@ -365,7 +369,7 @@ def run(size: str) -> dict[str, Any]:
         with ctx.Pool(workers) as pool:
             # the dear ones first, so the two workers end about together
             order = ["DiLoCo int8", "DiLoCo int8 overlap", "DiLoCo int8 overlap, ⅓ late",
-                     "DiLoCo int8 overlap, ⅓ late, streamed", "DiLoCo fp32", "no averaging", "data-parallel"]
+                     "DiLoCo int8 overlap, ⅓ late, streamed", EIGHT_BIT, "DiLoCo fp32", "no averaging", "data-parallel"]
             results = pool.starmap(run_variant, [(v, cfg, threads) for v in order], chunksize=1)
         results.sort(key=lambda r: VARIANTS.index(r["variant"]))
     wall = time.perf_counter() - t0
@@ -414,7 +418,7 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         md_table(["variant", "loss at start", "final held-out loss", "best", "bytes sent per peer (whole run)",
                   "train s (wall)", "CPU s"], rows),
     ]
-    dp, f32, i8, solo, i8o, i8o3, i8s = (by.get(v) for v in VARIANTS)
+    dp, f32, i8, solo, i8o, i8o3, i8s, i8_8bit = (by.get(v) for v in VARIANTS)
     if dp and f32 and i8 and solo:
         md.append(
             f"\nFinal loss differences (same run): int8 − fp32 DiLoCo = **{i8['final_loss'] - f32['final_loss']:+.4f}**; "
@@ -447,6 +451,12 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
                f"evenly over the round): {i8s['final_loss']:.4f}, **{i8s['final_loss'] - i8['final_loss']:+.4f} "
                f"({100 * (i8s['final_loss'] - i8['final_loss']) / i8['final_loss']:+.2f}%)**" if i8s else "")
             + ".\n")
+    if i8 and i8_8bit:
+        d = i8_8bit["final_loss"] - i8["final_loss"]
+        md.append(f"\nThe inner optimizer in 8 bits (`--inner-optimizer adamw8bit`: bitsandbytes' AdamW8bit, its "
+                  f"moments in uint8, 2 B/param instead of 8), int8 DiLoCo as above: final held-out loss "
+                  f"{i8_8bit['final_loss']:.4f} vs {i8['final_loss']:.4f} with AdamW, **{d:+.4f} "
+                  f"({100 * d / i8['final_loss']:+.2f}%)** at equal tokens.\n")
     cal = result["calibration_ms_per_step"]
     md.append(f"\nThreads: one inner step (batch {cfg['batch']}) took {cal['1']:.0f} ms with "
               f"`torch.set_num_threads(1)` and {cal['2']:.0f} ms with 2 (median, interleaved; 2 threads are used only "

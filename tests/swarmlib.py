@@ -71,20 +71,22 @@ class Swarm:
 
     def start(self, name: str, *args: str, initial: "NodeProc | None" = None, wait_start: bool = True,
               timeout: float = 180, wrap: list[str] | None = None, initial_host: str | None = None,
-              session: bool = False) -> NodeProc:
+              session: bool = False, entry: list[str] | None = None) -> NodeProc:
         """Start node ``name`` (again, with the same state dir if it ran before).
 
         :param wrap: command prefix, e.g. ``ip netns exec NS`` to run it inside a network namespace.
         :param initial_host: dial ``initial`` on its address on this host (default: its first address).
         :param session: start it in its own session and process group (pid = group id), as a shell
             or a service manager does, so a test can signal its whole group (``os.killpg``).
+        :param entry: what python runs instead of ``-m diloco_swarm`` (a test's node subclass, e.g.
+            ``[path of tests/census_node.py]``); the same arguments follow.
         """
         node = self.nodes.get(name)
         if node is None:
             d = self.root / name
             node = NodeProc(name, d, d / "metrics.jsonl", self.root / f"{name}.log", [])
             self.nodes[name] = node
-        cmd = [*(wrap or []), sys.executable, "-m", "diloco_swarm", "join", "--run-id", self.run_id, *FAST_ARGS, *self.extra,
+        cmd = [*(wrap or []), sys.executable, *(entry or ["-m", "diloco_swarm"]), "join", "--run-id", self.run_id, *FAST_ARGS, *self.extra,
                "--state-dir", str(node.state_dir), "--metrics-file", str(node.metrics), "--port", "0", *args]
         if initial is not None:
             cmd += ["--initial-peers", initial.maddr(initial_host)]

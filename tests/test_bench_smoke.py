@@ -244,3 +244,18 @@ def test_scale_counts_lineages_syncs_and_rounds_from_records():
     assert got["resync_share"] == 30 / 900 and got["final_eval_loss"] == [2.0, 2.2, 2.0]
     assert abs(got["loss_spread"] - 0.1) < 1e-12
     assert got["loss_curve"] == [[3, 0, pytest.approx(6.2 / 3)]]  # only the last step was evaluated by all
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(300)
+def test_memory_benchmark_runs_at_toy_size(tmp_path):
+    """``python -m bench.memory``: two tiny nodes, the joiner's download, PSS sampled per process."""
+    from bench.common import provenance
+    from bench.memory import run, section
+
+    result = {"name": "memory", "size": "smoke", **run("smoke", base=None), "provenance": provenance("test")}
+    nodes = result["models"]["tiny"]["now"]
+    assert [n["exit_code"] for n in nodes] == [0, 0], [n.get("log_tail") for n in nodes]
+    assert all(n["peak_pss"] > 0 and n["params"] and n["samples"] for n in nodes)
+    assert {"main", "p2pd"} <= set(nodes[0]["peak_pss_by_role"])
+    assert "## 9. Memory of a node" in section(result, tmp_path / "memory.smoke.json")

@@ -1,4 +1,4 @@
-"""Tests for diloco_swarm.node.checkpoint: atomic saves, the previous copy, corrupt files."""
+"""Tests for diloco_swarm.node.checkpoint: atomic saves, one file, format 1 still read, corrupt files."""
 
 import os
 import subprocess
@@ -21,16 +21,20 @@ from diloco_swarm.node.checkpoint import (
 
 def state(step, n=1000):
     g = torch.Generator().manual_seed(step)
-    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
     return {
         "spec": {"run_id": "r1", "inner_lr": 1e-3, "seq_len": 32},
         "outer_step": step,
         "tokens_total": 1000 * step,
         "outer": {"theta": [torch.randn(n, generator=g), torch.randn(4, 5, generator=g)], "optimizer": {"state": {}}},
-        "inner_optimizer": opt.state_dict(),
         "note": None,
         "pair": (1, 2.5),
     }
+
+
+def format_1_file(path, step):
+    """A checkpoint as format 1 wrote it (before the memory work): the inner AdamW state too."""
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
+    torch.save({"format_version": 1, **state(step), "inner_optimizer": opt.state_dict()}, path)
 
 
 def assert_same(a, b):
@@ -58,7 +62,7 @@ def test_save_load_roundtrip(tmp_path):
     path = save_checkpoint(tmp_path / "st", s)
     assert path == checkpoint_path(tmp_path / "st") == tmp_path / "st" / CHECKPOINT_NAME
     loaded = load_checkpoint(path)
-    assert loaded.pop("format_version") == 1
+    assert loaded.pop("format_version") == 2
     assert_same(loaded, s)
     assert listing(tmp_path / "st") == [CHECKPOINT_NAME]
 
@@ -67,18 +71,35 @@ def test_missing_checkpoint_loads_as_none(tmp_path):
     assert load_checkpoint(tmp_path / CHECKPOINT_NAME) is None
 
 
-def test_second_save_keeps_the_first_as_prev(tmp_path):
+def test_a_second_save_replaces_the_first_and_keeps_no_copy(tmp_path):
     save_checkpoint(tmp_path, state(1))
-    first_bytes = (tmp_path / CHECKPOINT_NAME).read_bytes()
     save_checkpoint(tmp_path, state(2))
-    assert (tmp_path / PREVIOUS_NAME).read_bytes() == first_bytes
     assert load_checkpoint(tmp_path / CHECKPOINT_NAME)["outer_step"] == 2
-    assert load_checkpoint(tmp_path / PREVIOUS_NAME)["outer_step"] == 1
-    assert listing(tmp_path) == sorted([CHECKPOINT_NAME, PREVIOUS_NAME])
-    # the two names are two files, not two links to one
-    assert (tmp_path / CHECKPOINT_NAME).stat().st_ino != (tmp_path / PREVIOUS_NAME).stat().st_ino
-    save_checkpoint(tmp_path, state(3))
-    assert load_checkpoint(tmp_path / PREVIOUS_NAME)["outer_step"] == 2
+    assert listing(tmp_path) == [CHECKPOINT_NAME]  # at most 8 B/param of outer state on disk: no second copy
+
+
+def test_a_format_1_checkpoint_loads_and_its_copy_goes_at_the_next_save(tmp_path):
+    format_1_file(tmp_path / CHECKPOINT_NAME, 4)
+    format_1_file(tmp_path / PREVIOUS_NAME, 3)
+    loaded = load_checkpoint(tmp_path / CHECKPOINT_NAME)
+    assert loaded["format_version"] == 1 and loaded["outer_step"] == 4
+    assert_same(loaded["outer"], state(4)["outer"])
+    save_checkpoint(tmp_path, state(5))
+    assert listing(tmp_path) == [CHECKPOINT_NAME]
+
+
+def test_a_saved_file_maps_the_tensors_instead_of_reading_them(tmp_path):
+    """The loader memory-maps the file: a resumed llama-1b does not hold a second copy of its state."""
+    save_checkpoint(tmp_path, state(1, n=1 << 20))
+    loaded = load_checkpoint(tmp_path / CHECKPOINT_NAME)
+    address = loaded["outer"]["theta"][0].data_ptr()
+    mapped = []
+    for line in open("/proc/self/maps"):  # "start-end perms offset dev inode path"
+        fields = line.split()
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < end:
+            mapped = fields[5:]
+    assert mapped == [str(tmp_path / CHECKPOINT_NAME)]
 
 
 def _corrupt_cases(good_bytes):
@@ -126,9 +147,8 @@ def test_flipped_bits_in_a_tensor_are_refused_not_loaded_as_values(tmp_path):
     assert path.read_bytes() == bytes(data)
 
 
-def test_corrupt_checkpoint_message_offers_the_previous_one(tmp_path):
-    save_checkpoint(tmp_path, state(1))
-    save_checkpoint(tmp_path, state(2))
+def test_corrupt_checkpoint_message_offers_format_1s_previous_one(tmp_path):
+    format_1_file(tmp_path / PREVIOUS_NAME, 1)
     (tmp_path / CHECKPOINT_NAME).write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="restore the previous one") as info:
         load_checkpoint(tmp_path / CHECKPOINT_NAME)
@@ -146,8 +166,11 @@ def test_a_torch_file_of_something_else_is_refused(tmp_path):
     torch.save([torch.zeros(3)], path)  # a valid torch file, not our dict
     with pytest.raises(CheckpointError, match="not a diloco-swarm checkpoint"):
         load_checkpoint(path)
-    torch.save({"format_version": 99}, path)
-    with pytest.raises(CheckpointError, match="format 1"):
+    torch.save({"format_version": 0}, path)
+    with pytest.raises(CheckpointError, match="not a diloco-swarm checkpoint of format 2"):
+        load_checkpoint(path)
+    torch.save({"format_version": 99}, path)  # a newer node's file: say so, do not call it foreign
+    with pytest.raises(CheckpointError, match="format 99, newer than this version reads"):
         load_checkpoint(path)
 
 
@@ -173,20 +196,19 @@ def test_state_that_would_not_load_back_is_refused_at_save_time(tmp_path):
     """Picklable but refused by torch.load(weights_only=True): it must fail now, not at the next start."""
     save_checkpoint(tmp_path, state(1))
     save_checkpoint(tmp_path, state(2))
-    cur, prev = (tmp_path / CHECKPOINT_NAME).read_bytes(), (tmp_path / PREVIOUS_NAME).read_bytes()
+    cur = (tmp_path / CHECKPOINT_NAME).read_bytes()
     with pytest.raises(TypeError, match="PosixPath"):
         save_checkpoint(tmp_path, {**state(3), "where": tmp_path})
     assert (tmp_path / CHECKPOINT_NAME).read_bytes() == cur
-    assert (tmp_path / PREVIOUS_NAME).read_bytes() == prev
-    assert listing(tmp_path) == sorted([CHECKPOINT_NAME, PREVIOUS_NAME])
+    assert listing(tmp_path) == [CHECKPOINT_NAME]
 
 
 @pytest.mark.timeout(60)
-def test_disk_write_failure_keeps_both_checkpoints_and_leaves_no_temp_files(tmp_path):
+def test_disk_write_failure_keeps_the_checkpoint_and_leaves_no_temp_files(tmp_path):
     """A real failing write: the child process may not grow files past 64 KiB (as on a full disk)."""
     save_checkpoint(tmp_path, state(1))
     save_checkpoint(tmp_path, state(2))
-    cur, prev = (tmp_path / CHECKPOINT_NAME).read_bytes(), (tmp_path / PREVIOUS_NAME).read_bytes()
+    cur = (tmp_path / CHECKPOINT_NAME).read_bytes()
     assert len(cur) < 64 * 1024
     script = textwrap.dedent(
         f"""
@@ -210,8 +232,7 @@ def test_disk_write_failure_keeps_both_checkpoints_and_leaves_no_temp_files(tmp_
     assert proc.stdout.startswith("FAILED OSError"), proc.stdout + proc.stderr
     assert "File too large while writing the checkpoint" in proc.stdout
     assert (tmp_path / CHECKPOINT_NAME).read_bytes() == cur
-    assert (tmp_path / PREVIOUS_NAME).read_bytes() == prev
-    assert listing(tmp_path) == sorted([CHECKPOINT_NAME, PREVIOUS_NAME])
+    assert listing(tmp_path) == [CHECKPOINT_NAME]
     assert load_checkpoint(tmp_path / CHECKPOINT_NAME)["outer_step"] == 2
 
 
@@ -219,7 +240,7 @@ def test_a_write_killed_midway_leaves_a_temp_file_that_the_next_start_removes(tm
     """A real crash inside save_checkpoint (SIGXFSZ's default action kills the writer mid-write)."""
     save_checkpoint(tmp_path, state(1))
     save_checkpoint(tmp_path, state(2))
-    cur, prev = (tmp_path / CHECKPOINT_NAME).read_bytes(), (tmp_path / PREVIOUS_NAME).read_bytes()
+    cur = (tmp_path / CHECKPOINT_NAME).read_bytes()
     script = textwrap.dedent(
         f"""
         import resource, signal
@@ -245,9 +266,8 @@ def test_a_write_killed_midway_leaves_a_temp_file_that_the_next_start_removes(tm
     removed = remove_stale_temp_files(tmp_path)
 
     assert sorted(p.name for p in removed) == sorted(stale)
-    assert listing(tmp_path) == sorted([CHECKPOINT_NAME, PREVIOUS_NAME, ".checkpoint.dir.tmp", "sub", *unrelated])
+    assert listing(tmp_path) == sorted([CHECKPOINT_NAME, ".checkpoint.dir.tmp", "sub", *unrelated])
     assert (tmp_path / CHECKPOINT_NAME).read_bytes() == cur
-    assert (tmp_path / PREVIOUS_NAME).read_bytes() == prev
     assert (tmp_path / "sub" / ".checkpoint.abc.tmp").exists()
     assert all((tmp_path / name).read_bytes() == data for name, data in unrelated.items())
     assert remove_stale_temp_files(tmp_path) == []
@@ -255,7 +275,7 @@ def test_a_write_killed_midway_leaves_a_temp_file_that_the_next_start_removes(tm
 
 
 def test_resume_refuses_non_finite_state_and_negative_counters(tmp_path):
-    """A checkpoint whose bytes were flipped can still load; NaN in the inner AdamW state must be
+    """A checkpoint whose bytes were flipped can still load; NaN in the outer momentum must be
     refused at resume (one clear error), not trained on until "diverged"."""
     from diloco_swarm.models import build_model
     from diloco_swarm.node.checkpoint import CheckpointError
@@ -270,42 +290,24 @@ def test_resume_refuses_non_finite_state_and_negative_counters(tmp_path):
         node = Node(NodeConfig(spec=spec, state_dir=tmp_path))
         node.params = list(build_model("tiny", seed=0).parameters())
         node.outer = OuterOptimizer(node.params, lr=0.7, momentum=0.9)
-        node.inner_opt = torch.optim.AdamW(node.params, lr=1e-3)
         return node
 
     node = fresh_node()
-    sum(p.sum() for p in node.params).backward()
-    node.inner_opt.step()
-    ckpt = {"outer": node.outer.state_dict(), "inner_optimizer": node.inner_opt.state_dict(), "outer_step": 3,
-            "inner_steps_total": 6, "tokens_total": 100}
+    node.outer.step([torch.full_like(t, 1e-3) for t in node.outer.theta])
+    ckpt = {"outer": checkpoint_copy(node.outer.state_dict()), "outer_step": 3, "inner_steps_total": 6,
+            "tokens_total": 100}
     fresh_node()._restore(ckpt)  # a healthy checkpoint resumes
-    next(iter(ckpt["inner_optimizer"]["state"].values()))["exp_avg"][0] = float("nan")
+    ckpt["outer"]["optimizer"]["state"][0]["momentum_buffer"][0] = float("nan")
     with pytest.raises(CheckpointError, match="non-finite"):
         fresh_node()._restore(ckpt)
-    next(iter(ckpt["inner_optimizer"]["state"].values()))["exp_avg"][0] = 0.0
+    ckpt["outer"]["optimizer"]["state"][0]["momentum_buffer"][0] = 0.0
     ckpt["outer_step"] = -5  # a hand-edited counter: a node would resume "at outer step -5"
     with pytest.raises(CheckpointError, match="outer_step = -5"):
         fresh_node()._restore(ckpt)
 
 
-def test_the_snapshot_of_a_state_is_untouched_by_later_steps():
-    """node/runner.py's ``cloned`` (the training thread's checkpoint snapshot, in place of copy.deepcopy):
-    every tensor is copied, so steps taken while the checkpoint thread writes it do not reach it."""
-    from diloco_swarm.node.runner import cloned
+def checkpoint_copy(state):
+    """A deep copy of a state dict (the node hands ``save_checkpoint`` the live tensors)."""
+    import copy
 
-    param = torch.nn.Parameter(torch.ones(4))
-    opt = torch.optim.AdamW([param], lr=0.1)
-    param.grad = torch.full((4,), 0.5)
-    opt.step()
-    live = {"outer_step": 3, "spec": {"run_id": "r1"}, "theta": [param.detach()], "pair": (param.detach(), 1),
-            "inner_optimizer": opt.state_dict()}
-    snap = cloned(live)
-    before = {k: v.clone() for k, v in snap["inner_optimizer"]["state"][0].items()}
-    theta = snap["theta"][0].clone()
-    opt.step()  # AdamW updates its moments and the parameter in place
-    for key, value in snap["inner_optimizer"]["state"][0].items():
-        assert torch.equal(value, before[key]), key
-    assert torch.equal(snap["theta"][0], theta) and not torch.equal(param.detach(), theta)
-    assert type(snap["pair"]) is tuple and snap["pair"][1] == 1
-    assert snap["spec"] == live["spec"] and snap["spec"] is not live["spec"]
-    assert snap["inner_optimizer"]["param_groups"] == live["inner_optimizer"]["param_groups"]
+    return copy.deepcopy(state)

@@ -157,12 +157,14 @@ def test_state_dict_roundtrip_continues_identically():
     assert max_abs_diff(a.theta, c.theta) > 1e-3  # without the momentum the run would diverge: the test can fail
 
 
-def test_state_dict_is_a_copy():
+def test_state_dict_holds_the_live_tensors_not_copies():
+    """The checkpoint streams θ_global and the momentum from their own memory (no snapshot copy)."""
     params = params_of([(3,)], seed=7)
     outer = OuterOptimizer(params, lr=1.0, momentum=0.9)
-    state = outer.state_dict()
     outer.step([torch.ones(3)])
-    assert torch.equal(state["theta"][0], params[0].detach())
+    state = outer.state_dict()
+    assert state["theta"][0] is outer.theta[0]
+    assert state["optimizer"]["state"][0]["momentum_buffer"] is outer.momentum_buffers()[0]
 
 
 def test_load_state_dict_refuses_other_shapes_and_changes_nothing():

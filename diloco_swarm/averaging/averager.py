@@ -736,10 +736,11 @@ class PseudoGradientAverager(DecentralizedAverager):
         :returns: the round's result and the Δ to apply: the group's average when ``ok``, and when
             the round failed only for want of confirmations (``maybe_kept``: no member contradicted
             our digest, so those that heard every confirmation keep this very average; applying it
-            too keeps us on their θ_global), else a copy of ``delta``.
+            too keeps us on their θ_global), else ``delta`` itself (fp32 CPU). The average is the
+            shared buffers themselves, valid until the next call (which writes them): apply it first.
         """
         started = time.perf_counter()
-        local = [d.detach().to("cpu", torch.float32).clone() for d in delta]
+        local = [d.detach().to("cpu", torch.float32) for d in delta]  # (read, never changed: no copy)
         with self.get_tensors() as buffers:
             for buf, d in zip(buffers, local):
                 buf.copy_(d)
@@ -803,7 +804,9 @@ class PseudoGradientAverager(DecentralizedAverager):
             rejected_peers=stats.named_peers,
         )
         with self.get_tensors() as buffers:
-            averaged = [b.clone() for b in buffers]
+            # the shared buffers themselves, not a copy (the memory budget): nothing writes them again
+            # before the next average(), and the node applies this round before it hands off the next
+            averaged = list(buffers)
         problem = self._check_round(stats, local, averaged, weight=float(weight), gathered=gathered)
         if problem is None:
             result.digest = tensors_digest(averaged)
@@ -837,11 +840,11 @@ class PseudoGradientAverager(DecentralizedAverager):
         return int(token), int(n)
 
     def peek(self, index: int, token: int) -> torch.Tensor | None:
-        """A copy of arrived tensor ``index`` (fp32, its parameter's shape) of round ``token``, read
-        without the buffers' lock (the averager process holds it for the whole all-reduce; an arrived
-        tensor is not written again in that round). None when the buffers moved on to another use."""
-        value = self._averaged_tensors[index].clone()
-        return value if int(self._arrivals[0]) == token else None
+        """Arrived tensor ``index`` (fp32, its parameter's shape) of round ``token``: the shared buffer
+        itself, not a copy (the memory budget), read without the buffers' lock (the averager process
+        holds it for the whole all-reduce; an arrived tensor is not written again in that round, nor
+        before the next :meth:`average`). None when the buffers moved on to another use."""
+        return self._averaged_tensors[index] if int(self._arrivals[0]) == token else None
 
     def _drop_members(self, target: int) -> None:
         """Lower the forming group's target size to ``target`` (≥ 2; members found gone); as its

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from diloco_swarm.cli.text import DEFAULT_RUN_ID, printable
+from diloco_swarm.node.inner import INNER_OPTIMIZERS
 
 
 def _show_flags_bare() -> None:
@@ -66,6 +67,9 @@ class Device(str, Enum):
     cpu = "cpu"
     cuda = "cuda"
     mps = "mps"
+
+
+InnerOptimizer = Enum("InnerOptimizer", {name: name for name in INNER_OPTIMIZERS}, type=str)
 
 
 class Compression(str, Enum):
@@ -155,6 +159,7 @@ def join(
     sync_mode: Annotated[SyncMode, typer.Option(help="overlap: keep training while the group averages, apply the outer step one round late (eager updates, arXiv 2502.12996); blocking: wait for each round (plain DiLoCo). See docs/architecture.md.", rich_help_panel=TRAINING)] = SyncMode.overlap,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the initial weights (shared) and of each peer's data order (mixed with its peer id).", rich_help_panel=TRAINING)] = 0,
     batch_size: Annotated[int, typer.Option(min=1, help="Sequences per inner step on this node.", rich_help_panel=LOCAL)] = 16,
+    inner_optimizer: Annotated[InnerOptimizer, typer.Option(help="adamw: AdamW with fp32 moments (8 B/param); adamw8bit: bitsandbytes' AdamW8bit, moments in 8 bits (2 B/param), for a large model on a consumer GPU. Local to this node.", rich_help_panel=LOCAL)] = InnerOptimizer.adamw,
     device: Annotated[Device, typer.Option(help="Where the inner steps run; auto = cuda, else mps, else cpu. CUDA trains in bf16 autocast.", rich_help_panel=LOCAL)] = Device.auto,
     threads: Annotated[int, typer.Option(min=0, max=MAX_THREADS, help=f"PyTorch CPU threads (0 = PyTorch's default; at most {MAX_THREADS}). Use 1 when several nodes share a small CPU.", rich_help_panel=LOCAL)] = 0,
     max_outer_steps: Annotated[int, typer.Option(min=0, help="Stop once the outer step reaches this number: the swarm's absolute step (kept across restarts; a joiner syncs to the swarm's), not a count of steps for this run, so a node resumed at or past it trains no step. 0 = run until stopped.", rich_help_panel=LOCAL)] = 0,
@@ -250,6 +255,7 @@ def join(
         client_mode=client_mode,
         public=public,
         batch_size=batch_size,
+        inner_optimizer=inner_optimizer.value,
         device=device.value,
         threads=threads,
         max_outer_steps=max_outer_steps,
@@ -298,6 +304,7 @@ def run_node(config) -> None:
     from diloco_swarm.models.registry import ModelError
     from diloco_swarm.node.checkpoint import CheckpointError
     from diloco_swarm.node.faults import node_type
+    from diloco_swarm.node.inner import InnerOptimizerError
     from diloco_swarm.node.runner import NodeError
     from diloco_swarm.spec import SpecMismatch
 
@@ -307,7 +314,8 @@ def run_node(config) -> None:
     code = 0
     try:
         node_type(config.fault, config.slowdown)(config).run()
-    except (DatasetError, SwarmError, SpecMismatch, CheckpointError, NodeError, CodecError, ModelError) as e:
+    except (DatasetError, SwarmError, SpecMismatch, CheckpointError, NodeError, CodecError, ModelError,
+            InnerOptimizerError) as e:
         code = fail(str(e)).exit_code
     except PartLost as e:  # the DHT, averager or p2pd died under the node (node/watchdog.py)
         code = fail(str(e), EXIT_PART_LOST).exit_code

@@ -4,7 +4,7 @@
 Names from ``gpt`` are imported on first use, so ``registry``'s cheap checks do not import torch.
 """
 
-_FROM_GPT = ("GPT", "GPTConfig", "PRESETS", "build_model", "num_parameters")
+_FROM_GPT = ("GPT", "GPTConfig", "PRESETS", "build_model", "num_parameters", "with_parameters")
 
 __all__ = list(_FROM_GPT)
 

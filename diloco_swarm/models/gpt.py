@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-__all__ = ["GPTConfig", "GPT", "PRESETS", "build_model", "num_parameters"]
+__all__ = ["GPTConfig", "GPT", "PRESETS", "build_model", "num_parameters", "with_parameters"]
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,7 @@ class GPT(nn.Module):
         return logits, loss
 
 
-def build_model(preset: str, seed: int) -> GPT:
+def build_model(preset: str, seed: int, device: str = "cpu") -> GPT:
     """Build a preset GPT with a reproducible initialisation.
 
     Two calls with the same preset and seed return models with bitwise
@@ -237,9 +237,10 @@ def build_model(preset: str, seed: int) -> GPT:
     Args:
         preset: a key of PRESETS ("tiny", "small", "base").
         seed: any int accepted by torch.manual_seed.
+        device: "cpu", or "meta" for the shapes alone (no memory, no initialisation).
 
     Returns:
-        A GPT on the CPU with float32 parameters, in training mode.
+        A GPT on ``device`` with float32 parameters, in training mode.
 
     Raises:
         ValueError: if preset is not a key of PRESETS.
@@ -249,7 +250,7 @@ def build_model(preset: str, seed: int) -> GPT:
     # Always init on the CPU (even under torch.set_default_device("cuda")):
     # CPU and CUDA generators give different numbers. devices=[] because no
     # CUDA RNG is used, so none needs saving.
-    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+    with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
         return GPT(PRESETS[preset])
 
@@ -265,3 +266,28 @@ def num_parameters(model: nn.Module) -> int:
     """
     # Module.parameters() already yields a shared Parameter only once.
     return sum(p.numel() for p in model.parameters())
+
+
+class _WithParameters(nn.Module):
+    """``model`` run with other tensors in place of its parameters (``torch.func.functional_call``)."""
+
+    def __init__(self, model: nn.Module, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        self.model, self._tensors = model, tensors
+
+    def forward(self, *args):
+        return torch.func.functional_call(self.model, self._tensors, args)
+
+
+def with_parameters(model: nn.Module, tensors: list[torch.Tensor]) -> nn.Module:
+    """A module that runs ``model`` with ``tensors`` in place of its parameters (same order and shapes
+    as ``model.parameters()``; tied parameters stay tied), without copying the model: the evaluation
+    of θ_global beside a training θ_local. Tensors on another device or dtype than the parameter's
+    are moved for the call (one copy); on the same device and dtype none is made.
+
+    :raises ValueError: ``tensors`` has another count than the model's parameters.
+    """
+    named = list(model.named_parameters())
+    if len(named) != len(tensors):
+        raise ValueError(f"{len(tensors)} tensors for a model of {len(named)} parameters")
+    return _WithParameters(model, {name: t.to(device=p.device, dtype=p.dtype) for (name, p), t in zip(named, tensors)})

@@ -114,15 +114,16 @@ def llama_config(preset: str, vocab_size: int):
                        tie_word_embeddings=False, rms_norm_eps=1e-5, **shape)
 
 
-def model_from_config(config, seed: int) -> CausalLM:
-    """A freshly initialised model (``AutoModelForCausalLM.from_config``) in float32 on the CPU.
+def model_from_config(config, seed: int, device: str = "cpu") -> CausalLM:
+    """A freshly initialised model (``AutoModelForCausalLM.from_config``) in float32 on the CPU
+    (``device="meta"``: the shapes alone, no memory).
 
     The same config and seed give bitwise identical parameters on the same torch build (the
     global torch RNG is left as it was), so peers start from one θ without transferring it.
     """
     from transformers import AutoModelForCausalLM
 
-    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+    with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return CausalLM(model.float().train())

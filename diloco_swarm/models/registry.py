@@ -156,8 +156,11 @@ def model_vocab_size(source: ModelSource, tokenizer_vocab: int, tokenizer_is_byt
     return vocab
 
 
-def build(source: ModelSource, seed: int, vocab_size: int) -> BuiltModel:
+def build(source: ModelSource, seed: int, vocab_size: int, device: str = "cpu") -> BuiltModel:
     """Build the model of a resolved source (float32, CPU, training mode).
+
+    ``device="meta"`` gives the shapes alone (no memory, no initialisation), except for an ``hf:``
+    folder with weights: its identity hashes the weights, so they are loaded (then freed by the caller).
 
     Raises:
         ModelError: an hf: config that is not a causal LM, or weights that cannot be loaded.
@@ -165,19 +168,19 @@ def build(source: ModelSource, seed: int, vocab_size: int) -> BuiltModel:
     if source.kind == "byte":
         from diloco_swarm.models.gpt import build_model
 
-        return BuiltModel(build_model(source.arg, seed=seed), source.arg, 256)
+        return BuiltModel(build_model(source.arg, seed=seed, device=device), source.arg, 256)
     from diloco_swarm.models import hf
 
     if source.kind == "llama":
         config = hf.llama_config(source.arg, vocab_size)
-        return BuiltModel(hf.model_from_config(config, seed), source.arg, vocab_size, config)
+        return BuiltModel(hf.model_from_config(config, seed, device), source.arg, vocab_size, config)
     assert source.folder is not None
     try:
         if hf.has_weights(source.folder):
             module = hf.load_pretrained(source.folder)
             identity = f"hf:config={hf.config_identity(source.config)},weights={hf.weights_identity(module)}"
         else:
-            module = hf.model_from_config(source.config, seed)
+            module = hf.model_from_config(source.config, seed, device)
             identity = f"hf:config={hf.config_identity(source.config)}"
     except Exception as e:
         from diloco_swarm.data.tokenizer import _first_line

@@ -56,7 +56,9 @@ class RunAssets:
 
     Attributes:
         spec: the run spec with ``model``, ``dataset``, ``tokenizer`` and ``vocab_size`` set.
-        model: float32 CPU module; ``model(x, y) -> (logits, loss)``, ``model.config.block_size``.
+        model: the model on the ``meta`` device: its shapes, ``model.config.block_size`` and parameter
+            count, no memory. :meth:`build_model` gives the weights, once the node's child processes
+            run (forked before any model-sized buffer exists, they share none of its pages).
         corpus: in-memory tokens (``Corpus``), or None for a streamed Hub dataset.
         description: the data's identity (RunSpec.dataset), also shown in the start line.
     """
@@ -69,6 +71,12 @@ class RunAssets:
     hf_config: Any = None
     stream: tuple[Callable[[], Any], str] | None = None  # (open_stream, column)
     held_out_stream_tokens: Any = None
+    build: Callable[[], Any] | None = None  # -> the float32 CPU module with its weights
+
+    def build_model(self):
+        """The model with its weights: float32 CPU module, ``model(x, y) -> (logits, loss)``; the run's
+        seed gives every peer the same θ_0. :raises ModelError: the weights cannot be loaded."""
+        return self.build()
 
     def sampler(self, batch_size: int, seq_len: int, seed: int, stream_id: str):
         """Per-peer training batches: ``batches_for_outer_step(outer_step, n)`` (data/corpus.py contract)."""
@@ -154,13 +162,15 @@ def build_run_assets(spec: RunSpec, *, dataset: str | None, tokenizer_arg: str |
         raise AssetError(f"dataset {description}: found only {len(held_out_stream)} held-out tokens at the head of "
                          f"the stream but --seq-len {spec.seq_len} needs {spec.seq_len + 1}")
 
-    built = build(source, spec.seed, vocab)
+    built = build(source, spec.seed, vocab, device="meta")
+    built.module.to("meta")  # (an hf: folder's weights were loaded for their identity: freed now)
     if not tok.is_byte:
         log(f"tokenizer {tok.identity} ({tok.vocab_size} tokens) from {tok.source}; model vocabulary {vocab}")
     spec = spec.model_copy(update={"model": built.identity, "dataset": description, "tokenizer": tok.identity,
                                    "vocab_size": built.vocab_size})
     return RunAssets(spec=spec, tokenizer=tok, model=built.module, corpus=corpus, description=description,
-                     hf_config=built.hf_config, stream=stream, held_out_stream_tokens=held_out_stream)
+                     hf_config=built.hf_config, stream=stream, held_out_stream_tokens=held_out_stream,
+                     build=lambda: build(source, spec.seed, vocab).module)
 
 
 def _load_local(source, tok, max_bytes, progress):

@@ -1,19 +1,25 @@
 """Atomic checkpoints of a node's DiLoCo state.
 
-Layout in the state dir: ``checkpoint.pt`` (newest) and ``checkpoint.prev.pt`` (the one before).
-A write goes to a temp file, is fsynced, the current file is hard-linked to the ``prev`` name,
-and the temp file is renamed over the current one; then the directory is fsynced. At every
-instant ``checkpoint.pt`` is a complete file, and nothing good is ever deleted by a failed
-write. Files are read with ``torch.load(weights_only=True)``: plain tensors and numbers only.
-A state that this loader would refuse is rejected at save time (the new file is read back,
-memory-mapped, before it replaces anything), never discovered at the next start.
+Layout in the state dir: ``checkpoint.pt``, one file. A write goes to a temp file, is fsynced and
+renamed over the current one; then the directory is fsynced. At every instant ``checkpoint.pt`` is
+a complete file, and nothing good is ever deleted by a failed write; no second copy is kept (format
+1 kept the one before as ``checkpoint.prev.pt``: removed after the first write of format 2).
+``torch.save`` streams each tensor's bytes from its own memory, so the caller hands the live
+tensors in (while nothing changes them: node/runner.py holds the state lock) and no snapshot is
+copied. Files are read with ``torch.load(weights_only=True, mmap=True)``: plain tensors and numbers
+only, their bytes read from the page cache as used. A state that this loader would refuse is
+rejected at save time (the new file is read back, memory-mapped, before it replaces anything),
+never discovered at the next start.
+
+Format 2 holds θ_global and the outer momentum (8 B/param), the counters and the run spec; format 1
+also held the inner optimizer's state (16 B/param in all) and still loads (its inner state is not
+used: docs/operations.md says what a resume loses).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import tempfile
 import zipfile
 from pathlib import Path
@@ -22,8 +28,9 @@ from typing import Any
 import torch
 
 CHECKPOINT_NAME = "checkpoint.pt"
-PREVIOUS_NAME = "checkpoint.prev.pt"
-FORMAT_VERSION = 1
+PREVIOUS_NAME = "checkpoint.prev.pt"  # format 1's copy of the checkpoint before: removed, never written
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 # The temp files of save_checkpoint: mkstemp's ".checkpoint.XXXXXXXX.tmp" and ".checkpoint.prev.pt.tmp".
 TEMP_PREFIX, TEMP_SUFFIX = ".checkpoint.", ".tmp"
 
@@ -37,9 +44,11 @@ def checkpoint_path(state_dir: Path) -> Path:
 
 
 def save_checkpoint(state_dir: Path, state: dict[str, Any]) -> Path:
-    """Write ``state`` atomically as ``state_dir/checkpoint.pt``; keep the old one as ``checkpoint.prev.pt``.
+    """Write ``state`` atomically as ``state_dir/checkpoint.pt``, replacing the one before (and a
+    format-1 ``checkpoint.prev.pt``) once the new file is complete and loadable.
 
-    :param state: tensors, numbers, strings, lists and dicts of those.
+    :param state: tensors (CPU; streamed from their memory, so nothing may change them during the
+        call), numbers, strings, lists and dicts of those.
     :returns: the checkpoint path.
     :raises OSError: the disk write failed (the previous checkpoint is untouched).
     :raises TypeError: ``state`` holds objects that ``torch.load(weights_only=True)`` refuses
@@ -48,7 +57,6 @@ def save_checkpoint(state_dir: Path, state: dict[str, Any]) -> Path:
     state_dir.mkdir(parents=True, exist_ok=True)
     target = state_dir / CHECKPOINT_NAME
     fd, tmp_name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=state_dir)
-    prev_tmp = state_dir / f".{PREVIOUS_NAME}{TEMP_SUFFIX}"
     try:
         with os.fdopen(fd, "wb") as f:
             out = _WriteErrorRecorder(f)
@@ -62,32 +70,25 @@ def save_checkpoint(state_dir: Path, state: dict[str, Any]) -> Path:
                     raise
                 raise OSError(error.errno, f"{error.strerror or error} while writing the checkpoint", str(target)) from e
         _check_loadable(Path(tmp_name))
-        if target.exists():
-            prev_tmp.unlink(missing_ok=True)
-            try:
-                os.link(target, prev_tmp)
-            except OSError:  # a filesystem without hard links (FAT, some network mounts): copy
-                shutil.copyfile(target, prev_tmp)
-                _fsync_file(prev_tmp)
-            os.replace(prev_tmp, state_dir / PREVIOUS_NAME)
         os.replace(tmp_name, target)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
-        prev_tmp.unlink(missing_ok=True)
         raise
     dir_fd = os.open(state_dir, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+    (state_dir / PREVIOUS_NAME).unlink(missing_ok=True)  # format 1's second copy: superseded now
     return target
 
 
 def remove_stale_temp_files(state_dir: Path) -> list[Path]:
     """Delete the temp files that a write cut short (a second Ctrl+C, a crash) left in ``state_dir``.
 
-    Only :func:`save_checkpoint`'s own temp names, only directly in ``state_dir``, only regular
-    files; ``checkpoint.pt`` and ``checkpoint.prev.pt`` are never touched. Call it while holding
+    Only :func:`save_checkpoint`'s own temp names (and format 1's ``.checkpoint.prev.pt.tmp``), only
+    directly in ``state_dir``, only regular files; ``checkpoint.pt`` and ``checkpoint.prev.pt`` are
+    never touched. Call it while holding
     the state dir lock, so that no other node is writing there.
 
     :returns: the files removed.
@@ -123,11 +124,6 @@ class _WriteErrorRecorder:
 
     def flush(self) -> None:
         self._f.flush()
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def _check_loadable(path: Path) -> None:
@@ -177,7 +173,9 @@ def _failed_crc(path: Path) -> str | None:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any] | None:
-    """Read a checkpoint written by :func:`save_checkpoint`; ``None`` if the file does not exist.
+    """Read a checkpoint written by :func:`save_checkpoint` (format 1 or 2); ``None`` if the file does
+    not exist. Its tensors are memory-mapped from the file (copy what you keep: the file may be
+    replaced).
 
     :raises CheckpointError: the file is unreadable, truncated or not one of ours; the message
         names the file and how to start fresh. The file is never modified.
@@ -190,7 +188,7 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
            if (path.parent / PREVIOUS_NAME).exists() and path.name != PREVIOUS_NAME else "")
     )
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except OSError as e:
         if not _reads_through(path):  # the disk or the permissions, not the bytes
             raise CheckpointError(f"checkpoint {path} cannot be read ({e.strerror or type(e).__name__}); {how_to}") from None
@@ -206,6 +204,9 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
     damaged = _failed_crc(path)
     if damaged is not None:  # torch.load reads stored bytes without checking them: flipped bits load as values
         raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({damaged} fails its CRC-32 check); {how_to}")
-    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} is not a diloco-swarm checkpoint of format {FORMAT_VERSION}; {how_to}")
+    if not isinstance(state, dict) or state.get("format_version") not in READABLE_VERSIONS:
+        found = state.get("format_version") if isinstance(state, dict) else None
+        what = (f"of format {found}, newer than this version reads (update diloco-swarm)" if isinstance(found, int)
+                and found > FORMAT_VERSION else f"not a diloco-swarm checkpoint of format {FORMAT_VERSION}")
+        raise CheckpointError(f"checkpoint {path} is {what}; {how_to}")
     return state

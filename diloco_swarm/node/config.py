@@ -23,6 +23,7 @@ class NodeConfig:
     client_mode: bool = False  # forced client; otherwise decided by the reachability check
     public: bool = False  # forced full peer: skip the reachability check
     batch_size: int = 16
+    inner_optimizer: str = "adamw"  # node/inner.py: adamw | adamw8bit (local: its state never leaves the peer)
     device: str = "auto"
     threads: int = 0  # torch CPU threads; 0 = torch's default
     max_outer_steps: int = 0  # 0 = train until stopped

@@ -138,7 +138,7 @@ class Mixing:
         return MixedState(theta=theta, momentum=mixed[n:], outer_step=plan.outer_step, digest=theta_digest(theta),
                           reference_step=plan.reference[0])
 
-    def _adopt_mixed(self, mixed: MixedState, handoff: Any, estimate: list[torch.Tensor] | None) -> None:
+    def _adopt_mixed(self, mixed: MixedState, handoff: Any, estimate: Any) -> None:
         """θ_global, outer momentum and outer step ← the mixed state (training thread); θ_local keeps
         its progress since the hand-off (the mix holds this round's Δ̄, our Δ in it)."""
         with self._state_lock:

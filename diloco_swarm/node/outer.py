@@ -1,6 +1,7 @@
 """θ_global and the outer optimizer of DiLoCo (Douillard et al., arXiv 2311.08105, Algorithm 1).
 
-θ_global and the outer momentum live in fp32 on the CPU, whatever device the model trains on.
+θ_global and the outer momentum live in fp32 on the CPU, whatever device the model trains on; the
+step and its preview run one tensor at a time, so no model-sized temporary exists (the memory budget).
 The pseudo-gradient is Δ = θ_global − θ_local; the outer step is SGD with Nesterov momentum on
 θ_global with grad = (averaged) Δ, after which the model restarts from θ_global.
 """
@@ -23,6 +24,8 @@ class OuterOptimizer:
 
     def __init__(self, params: Iterable[nn.Parameter], lr: float = 0.7, momentum: float = 0.9):
         self.theta: list[torch.Tensor] = [p.detach().to("cpu", torch.float32).clone() for p in params]
+        # torch's SGD holds the hyper-parameters and the momentum (its state_dict is the checkpoint's
+        # format); the step itself is step_tensor's, one tensor at a time
         self.optimizer = torch.optim.SGD(self.theta, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
     @torch.no_grad()
@@ -32,10 +35,11 @@ class OuterOptimizer:
         :raises ValueError: ``params`` are not this model's (count or shapes differ).
         """
         params = list(params)
-        self._check_like_theta(params, "the parameters")
+        self.check_like_theta(params, "the parameters")
         return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self.theta, params)]
 
-    def _check_like_theta(self, tensors: Sequence[torch.Tensor], what: str) -> None:
+    def check_like_theta(self, tensors: Sequence[torch.Tensor], what: str) -> None:
+        """:raises ValueError: ``tensors`` (named ``what`` in the message) has another count or shapes than θ_global."""
         if len(tensors) != len(self.theta):
             raise ValueError(f"{what}: {len(tensors)} tensors, θ_global has {len(self.theta)}")
         for i, (t, theta) in enumerate(zip(tensors, self.theta)):
@@ -45,16 +49,34 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def step(self, delta: Sequence[torch.Tensor]) -> None:
-        """One outer step on θ_global with grad = ``delta`` (fp32, parameter shapes).
+        """One outer step on θ_global with grad = ``delta`` (fp32, parameter shapes; read, not changed,
+        and not copied).
 
         :raises ValueError: ``delta`` has another count or shapes than θ_global (nothing changes).
         """
-        self._check_like_theta(delta, "the outer gradient")
-        for theta, d in zip(self.theta, delta):
-            theta.grad = d.to(torch.float32).clone()
-        self.optimizer.step()
-        for theta in self.theta:
-            theta.grad = None
+        self.check_like_theta(delta, "the outer gradient")
+        for index, d in enumerate(delta):
+            self.step_tensor(index, d)
+
+    @torch.no_grad()
+    def step_tensor(self, index: int, delta: torch.Tensor) -> None:
+        """:meth:`step` for θ_global's tensor ``index`` alone (the step is elementwise): torch's
+        single-tensor SGD with Nesterov momentum (dampening 0, no weight decay), op for op, so every
+        member that applies one average holds the same bits, and :meth:`preview` lands on it exactly.
+        Temporaries are one tensor's size, never the model's. ``delta``: fp32, that tensor's shape
+        (checked by the caller)."""
+        group = self.optimizer.param_groups[0]
+        lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
+        theta, grad = self.theta[index], delta.to(torch.float32)
+        if momentum != 0:
+            state = self.optimizer.state[theta]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = grad.clone()
+            else:
+                buf.mul_(momentum).add_(grad)
+            grad = grad.add(buf, alpha=momentum) if nesterov else buf
+        theta.add_(grad, alpha=-lr)
 
     @torch.no_grad()
     def preview(self, delta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -79,7 +101,7 @@ class OuterOptimizer:
         :returns: two lists of new fp32 CPU tensors shaped like θ_global.
         :raises ValueError: ``delta`` has another count or shapes than θ_global.
         """
-        self._check_like_theta(delta, "the outer gradient")
+        self.check_like_theta(delta, "the outer gradient")
         thetas, buffers = [], []
         for index, d in enumerate(delta):
             theta, buf = self._preview_one(index, d)
@@ -120,27 +142,46 @@ class OuterOptimizer:
             p.copy_(theta.to(device=p.device, dtype=p.dtype))
 
     def momentum_buffers(self) -> list[torch.Tensor]:
-        """The outer momentum of each θ_global tensor (zeros before the first outer step), fp32 CPU."""
+        """The outer momentum of each θ_global tensor (zeros before the first outer step), fp32 CPU:
+        the live buffers, not copies (the next outer step changes them)."""
         out = []
         for theta in self.theta:
             buf = self.optimizer.state.get(theta, {}).get("momentum_buffer")
-            out.append(buf.clone() if buf is not None else torch.zeros_like(theta))
+            out.append(buf if buf is not None else torch.zeros_like(theta))
         return out
 
     @torch.no_grad()
     def load_theta_and_momentum(self, theta: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]) -> None:
-        """Adopt another peer's θ_global and outer momentum (a state download). Shapes must match."""
+        """Adopt another peer's θ_global and outer momentum (a state download), copied into our own
+        buffers. :raises ValueError: counts or shapes differ (checked before anything changes)."""
+        self.check_state(theta, momentum)
+        for index, (t, m) in enumerate(zip(theta, momentum)):
+            self.load_tensor(index, t, m)
+
+    def check_state(self, theta: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]) -> None:
+        """:raises ValueError: ``theta`` or ``momentum`` has another count or shapes than θ_global."""
         if len(theta) != len(self.theta) or len(momentum) != len(self.theta):
             raise ValueError("state has a different number of tensors than this model")
         if any(t.shape != mine.shape or m.shape != mine.shape for mine, t, m in zip(self.theta, theta, momentum)):
-            raise ValueError("state has other shapes than this model")  # checked before anything changes
-        for mine, t, m in zip(self.theta, theta, momentum):
-            mine.copy_(t)
-            if self.optimizer.defaults["momentum"] > 0:
-                self.optimizer.state[mine]["momentum_buffer"] = m.to(torch.float32).clone()
+            raise ValueError("state has other shapes than this model")
+
+    @torch.no_grad()
+    def load_tensor(self, index: int, theta: torch.Tensor, momentum: torch.Tensor) -> None:
+        """θ_global's tensor ``index`` and its momentum ← ``theta``, ``momentum`` (shapes checked by
+        :meth:`check_state`)."""
+        mine = self.theta[index]
+        mine.copy_(theta)
+        if self.optimizer.defaults["momentum"] > 0:
+            buf = self.optimizer.state[mine].get("momentum_buffer")
+            if buf is None:
+                self.optimizer.state[mine]["momentum_buffer"] = momentum.to(torch.float32).clone()
+            else:
+                buf.copy_(momentum)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"theta": [t.clone() for t in self.theta], "optimizer": self.optimizer.state_dict()}
+        """θ_global and the optimizer's state dict: the live tensors, not copies (a checkpoint writes
+        them while the caller keeps every outer step out, node/runner.py)."""
+        return {"theta": self.theta, "optimizer": self.optimizer.state_dict()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -160,3 +201,6 @@ class OuterOptimizer:
         for mine, theirs in zip(self.theta, theta):
             mine.copy_(theirs)
         self.optimizer.load_state_dict(state["optimizer"])
+        for param_state in self.optimizer.state.values():  # our own memory, not the (memory-mapped) file's
+            if isinstance(param_state.get("momentum_buffer"), torch.Tensor):
+                param_state["momentum_buffer"] = param_state["momentum_buffer"].clone()

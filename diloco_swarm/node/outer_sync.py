@@ -138,12 +138,36 @@ class RoundOutcome:
     stale: bool = False
 
 
+class Estimate:
+    """θ̂, the eager start of the current phase, kept as what it is made of rather than a model-sized
+    copy (the memory budget): tensor ``i`` is ``OuterStep(θ_global, source_i)[i]``, with ``source_i``
+    the hand-off's Δ_i, or the round's average for tensor ``i`` once θ_local took it (``taken``).
+    Computed from θ_global and the momentum as they are now, so read it before an outer step or an
+    adopted state changes them (:class:`OuterSync` does)."""
+
+    def __init__(self, outer: OuterOptimizer, delta: Sequence[torch.Tensor]):
+        self.outer, self.delta = outer, delta
+        self.taken: dict[int, torch.Tensor] = {}  # tensor index -> the average θ_local took for it
+
+    def tensor(self, index: int) -> torch.Tensor:
+        """θ̂'s tensor ``index``: a new fp32 CPU tensor."""
+        return self.outer.preview_tensor(index, self.taken.get(index, self.delta[index]))
+
+    def __len__(self) -> int:
+        return len(self.delta)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if not 0 <= index < len(self.delta):
+            raise IndexError(index)
+        return self.tensor(index)
+
+
 @dataclass
 class _Pending:
     handoff: Handoff
     control: RoundControl
     future: Future
-    estimate: list[torch.Tensor] | None  # θ̂, the eager start of the current phase (None: blocking)
+    estimate: Estimate | None  # θ̂, the eager start of the current phase (None: blocking)
 
 
 class OuterSync:
@@ -184,9 +208,9 @@ class OuterSync:
             raise RuntimeError("a round is still in flight")
         estimate = None
         if self.overlap:
-            estimate = self.outer.preview(handoff.delta)
-            for p, e in zip(self.params, estimate):
-                p.copy_(e.to(device=p.device, dtype=p.dtype))
+            estimate = Estimate(self.outer, handoff.delta)
+            for index, p in enumerate(self.params):
+                p.copy_(estimate.tensor(index).to(device=p.device, dtype=p.dtype))
         control = RoundControl(stop=self._stop)
         future = self._worker.submit(self.run_round, handoff, control)
         self._pending = _Pending(handoff, control, future, estimate)
@@ -195,7 +219,8 @@ class OuterSync:
         """Move θ_local's tensor ``index`` onto the round's average for it as soon as it has arrived,
         before the round is verified (overlap only; see :meth:`correct`).
 
-        :param average: the group's Δ̄ for tensor ``index``, fp32, that tensor's shape.
+        :param average: the group's Δ̄ for tensor ``index``, fp32, that tensor's shape; kept (not
+            copied) until the round is applied, so it must not change meanwhile.
         :returns: whether θ_local moved (False: blocking mode, no round in flight, or a value refused).
         """
         pending = self._pending
@@ -204,7 +229,7 @@ class OuterSync:
         return self.correct(index, average, pending.estimate, pending.handoff.delta[index])
 
     @torch.no_grad()
-    def correct(self, index: int, average: torch.Tensor, estimate: list[torch.Tensor],
+    def correct(self, index: int, average: torch.Tensor, estimate: Estimate,
                 delta: torch.Tensor | None = None) -> bool:
         """θ_local[index] += OuterStep(θ_global, average)[index] − θ̂[index], then θ̂[index] ← that step.
 
@@ -216,7 +241,7 @@ class OuterSync:
         is not finite, or whose norm exceeds :data:`PREVIEW_MAX_NORM_RATIO` × our own Δ's (``delta``),
         is refused: the round's own checks decide about it.
 
-        :param estimate: θ̂, the eager start of the current phase (fp32 CPU), patched in place.
+        :param estimate: θ̂, the eager start of the current phase; its tensor ``index`` moves too.
         :returns: whether θ_local moved.
         """
         average = average.to(torch.float32)
@@ -226,8 +251,8 @@ class OuterSync:
             return False
         step = self.outer.preview_tensor(index, average)
         p = self.params[index]
-        p.add_((step - estimate[index]).to(device=p.device, dtype=p.dtype))
-        estimate[index] = step
+        p.add_((step - estimate.tensor(index)).to(device=p.device, dtype=p.dtype))
+        estimate.taken[index] = average
         return True
 
     def overdue(self, seconds: float) -> bool:
@@ -242,7 +267,7 @@ class OuterSync:
         if self._pending is not None:
             self._pending.control.give_up.set()
 
-    def take(self, timeout: float | None = None) -> tuple[Handoff, RoundOutcome, list[torch.Tensor] | None]:
+    def take(self, timeout: float | None = None) -> tuple[Handoff, RoundOutcome, Estimate | None]:
         """Wait (at most ``timeout`` seconds) for the round in flight and detach it.
 
         :returns: (its hand-off, its outcome, the eager estimate θ̂ or None), for :meth:`apply`.
@@ -256,52 +281,63 @@ class OuterSync:
         return pending.handoff, outcome, pending.estimate
 
     @torch.no_grad()
-    def apply(self, average: Sequence[torch.Tensor], estimate: list[torch.Tensor] | None) -> None:
+    def apply(self, average: Sequence[torch.Tensor], estimate: Estimate | None) -> None:
         """θ_global ← OuterStep(θ_global, average); move θ_local onto the new θ_global.
 
         Overlap: θ_local += θ_global_new − θ̂ (the progress since the hand-off is kept).
-        Blocking: θ_local ← θ_global_new.
+        Blocking: θ_local ← θ_global_new. Tensor by tensor: no model-sized temporary.
         :raises ValueError: ``average`` does not fit θ_global (nothing changes).
         """
-        self.outer.step(average)
-        self._move_local(estimate)
+        self.outer.check_like_theta(average, "the outer gradient")
+        for index, p in enumerate(self.params):
+            reference = estimate.tensor(index) if estimate is not None else None  # (before θ_global moves)
+            self.outer.step_tensor(index, average[index])
+            self._move_local(index, reference)
 
     @torch.no_grad()
-    def hold(self, delta: Sequence[torch.Tensor], estimate: list[torch.Tensor] | None) -> None:
+    def hold(self, delta: Sequence[torch.Tensor], estimate: Estimate | None) -> None:
         """A late round: θ_global and the outer momentum stay; θ_local keeps ``delta`` (the hand-off's Δ,
         fp32, parameter shapes) and the progress since, so the next hand-off's Δ carries it.
 
         Overlap: θ_local += θ_global − Δ − θ̂ (the eager jump undone). Blocking: θ_local is unchanged.
         """
-        self._move_local(self._carry_reference(delta, estimate))
+        if estimate is None:
+            return
+        for index in range(len(self.params)):
+            self._move_local(index, self._carry_reference(index, delta, estimate))
 
     @torch.no_grad()
     def adopt(self, theta: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], delta: Sequence[torch.Tensor],
-              estimate: list[torch.Tensor] | None, *, carry: bool) -> None:
+              estimate: Estimate | None, *, carry: bool) -> None:
         """θ_global, outer momentum ← a downloaded state (fp32, parameter shapes); θ_local keeps its
         progress since the hand-off, and ``delta`` too when ``carry`` (the round's average that built
         the state did not include it).
         :raises ValueError: the state's count or shapes differ from θ_global (nothing changes)."""
-        reference = self._carry_reference(delta, estimate) if carry else estimate
-        self.outer.load_theta_and_momentum(theta, momentum)
-        self._move_local(reference)
+        self.outer.check_state(theta, momentum)
+        for index in range(len(self.params)):
+            if carry:
+                reference = self._carry_reference(index, delta, estimate)
+            else:
+                reference = estimate.tensor(index) if estimate is not None else None
+            self.outer.load_tensor(index, theta[index], momentum[index])
+            self._move_local(index, reference)
 
-    def _carry_reference(self, delta: Sequence[torch.Tensor], estimate: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        """Where θ_local would stand had it kept Δ, measured against θ_global now: θ̂ + Δ (overlap),
-        θ_global (blocking, where θ_local = θ_global − Δ still)."""
+    def _carry_reference(self, index: int, delta: Sequence[torch.Tensor], estimate: Estimate | None) -> torch.Tensor:
+        """Where θ_local's tensor ``index`` would stand had it kept Δ, measured against θ_global now:
+        θ̂ + Δ (overlap), θ_global (blocking, where θ_local = θ_global − Δ still)."""
         if estimate is None:
-            return [t.clone() for t in self.outer.theta]
-        return [e + d.to(torch.float32) for e, d in zip(estimate, delta)]
+            return self.outer.theta[index].clone()
+        return estimate.tensor(index).add_(delta[index].to(torch.float32))
 
     @torch.no_grad()
-    def _move_local(self, reference: list[torch.Tensor] | None) -> None:
-        """θ_local += θ_global − ``reference`` (the progress beyond the reference is kept);
-        θ_local ← θ_global when ``reference`` is None."""
+    def _move_local(self, index: int, reference: torch.Tensor | None) -> None:
+        """θ_local[index] += θ_global[index] − ``reference`` (the progress beyond the reference is
+        kept); θ_local[index] ← θ_global[index] when ``reference`` is None."""
+        p, new = self.params[index], self.outer.theta[index]
         if reference is None:
-            self.outer.copy_to(self.params)
-            return
-        for p, new, ref in zip(self.params, self.outer.theta, reference):
-            p.add_((new - ref).to(device=p.device, dtype=p.dtype))
+            p.copy_(new.to(device=p.device, dtype=p.dtype))
+        else:
+            p.add_((new - reference).to(device=p.device, dtype=p.dtype))
 
     def abandon(self, timeout: float) -> None:
         """Leave the round in flight (graceful stop): signal it and wait at most ``timeout`` s.

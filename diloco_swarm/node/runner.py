@@ -16,7 +16,6 @@ sync in node/statesync.py, the counters behind every report in node/stats.py.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import multiprocessing as mp
 import os
@@ -29,6 +28,7 @@ import torch
 
 from diloco_swarm import __version__
 from diloco_swarm.data import evaluate
+from diloco_swarm.models import with_parameters
 from diloco_swarm.node.checkpoint import save_checkpoint
 from diloco_swarm.node.config import NodeConfig
 from diloco_swarm.node.errors import Diverged, NodeError  # noqa: F401  (re-exported: cli maps NodeError to exit 2)
@@ -43,6 +43,7 @@ from diloco_swarm.node.stats import NodeStats
 from diloco_swarm.node.redial import REDIAL_EVERY_S, Redialer, dial_peers, gone_peers, reconnect_peers
 from diloco_swarm.node.statesync import StateSync, theta_digest
 from diloco_swarm.utils.hivemind_fixes import remove_socket_dir
+from diloco_swarm.utils.malloc import return_freed_memory
 from diloco_swarm.utils.worker import Worker
 
 WARMUP_INNER_STEPS = 50  # linear inner-LR warm-up over the swarm's first 50 inner steps
@@ -60,20 +61,6 @@ MOVED_ON_READ_EVERY_S = 2.0  # a late round reads the records this often to see 
 AHEAD_READ_EVERY_S = 1.0  # a grid round ahead of the swarm reads the records this often to see it catch up
 GRID_MEMORY_S = 20.0  # a peer whose record a read missed stays in the round's grid this long (a partial read under load)
 HEARD_MEMORY_S = 120.0  # how long we remember when a peer's record last changed
-
-
-def cloned(state: Any) -> Any:
-    """A copy of a state dict whose tensors no later step can change: tensors cloned, containers
-    rebuilt, everything else deep-copied. ``copy.deepcopy`` does the same at about 3x the time on
-    the training thread (its per-object memo; measured 21 ms against 7 ms for the `small` model's
-    11M fp32 values), and it runs after every outer step."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    if isinstance(state, dict):
-        return {k: cloned(v) for k, v in state.items()}
-    if type(state) in (list, tuple):
-        return type(state)(cloned(v) for v in state)
-    return copy.deepcopy(state)
 
 
 def seconds_to_handoff(phase_eta: float, now: float, *, silent_s: float, max_silent_s: float,
@@ -138,6 +125,7 @@ class Node(Startup, StateSync, Mixing):
     """One DiLoCo peer. Build with a :class:`NodeConfig`, then :meth:`run`."""
 
     def __init__(self, config: NodeConfig, status: StatusLine | None = None):
+        return_freed_memory()  # before any model-sized buffer (utils/malloc.py)
         self.cfg = config
         self.spec = config.spec
         self.status = status or StatusLine()
@@ -427,10 +415,12 @@ class Node(Startup, StateSync, Mixing):
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         with self._autocast():
             _, loss = self.model(x, y)
-        self.inner_opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.inner_opt.step()
+        # grads live from backward to the step only: a round applied, an evaluation or a state
+        # adopted between two inner steps finds their memory free (the budget, docs/architecture.md)
+        self.inner_opt.zero_grad(set_to_none=True)
         self.stats.inner_steps_total += 1
         return loss.item()
 
@@ -504,13 +494,11 @@ class Node(Startup, StateSync, Mixing):
             # in, it would pull the others' step with a stale direction, at its full token weight. It is
             # dropped; we adopt the swarm's state and train on from there.
             reason = f"behind the swarm (outer step {handoff.outer_step}, the swarm's {state.meta['outer_step']}): caught up"
-            return RoundOutcome(RoundResult(ok=False, group_size=1, reason=reason), [d.clone() for d in handoff.delta],
-                                state=state, stale=True)
+            return RoundOutcome(RoundResult(ok=False, group_size=1, reason=reason), handoff.delta, state=state, stale=True)
         try:
             result, average, alone, group_key = self._average(handoff, control)
         except Exception as e:  # never lose the training thread to a round: it becomes a late round
-            return RoundOutcome(RoundResult(ok=False, group_size=1, reason=f"round failed: {e!r}"[:200]),
-                                [d.clone() for d in handoff.delta])
+            return RoundOutcome(RoundResult(ok=False, group_size=1, reason=f"round failed: {e!r}"[:200]), handoff.delta)
         outcome = RoundOutcome(result, average, alone=alone, group_key=group_key)
         if control.stop.is_set() or alone:
             return outcome
@@ -537,7 +525,7 @@ class Node(Startup, StateSync, Mixing):
         """:returns: (the round's result, the Δ to apply, whether no other peer was online)."""
         from diloco_swarm.averaging.averager import RoundResult
 
-        own = [d.detach().to("cpu", torch.float32).clone() for d in handoff.delta]
+        own = handoff.delta  # (fp32 CPU: read by the outer step, never changed)
         if not self._public_peer_online():
             # Clients cannot form a group among themselves (nobody accepts connections): skip
             # matchmaking instead of waiting out the window. One warning per run.
@@ -883,8 +871,9 @@ class Node(Startup, StateSync, Mixing):
         if not force and self.stats.eval_s + self._last_eval_s > self.cfg.eval_budget * wall:
             return
         t0 = time.monotonic()
-        self.outer.copy_to(self.eval_params)  # θ_local may run ahead of θ_global (overlap): evaluate θ_global
-        self.stats.eval_loss = evaluate(self.eval_model, self.eval_set, self.device)
+        # θ_local may run ahead of θ_global (overlap): evaluate θ_global, through the model with θ_global's
+        # tensors in place of its own (on the CPU no copy at all; on a GPU one, where the grads were)
+        self.stats.eval_loss = evaluate(with_parameters(self.model, self.outer.theta), self.eval_set, self.device)
         self.stats.eval_outer_step = self.outer_step
         self._last_eval_s = time.monotonic() - t0
         self.stats.eval_s += self._last_eval_s
@@ -899,7 +888,14 @@ class Node(Startup, StateSync, Mixing):
 
     def _checkpoint(self) -> None:
         self.stop.has_checkpoint = True
-        self._write_checkpoint(self._checkpoint_state())
+        self._write_checkpoint_now()
+
+    def _write_checkpoint_now(self) -> None:
+        """Write θ_global, the momentum and the counters as they are now (any thread). The state lock
+        keeps every outer step out while ``torch.save`` streams the live tensors: no snapshot copy (the
+        memory budget). A round finished meanwhile waits to be applied for as long as the disk takes."""
+        with self._state_lock:
+            self._write_checkpoint(self._checkpoint_state())
 
     def _write_checkpoint(self, state: dict[str, Any]) -> None:
         """Write ``state`` (any thread). A failed write (a full disk, a read-only remount) costs only
@@ -931,8 +927,9 @@ class Node(Startup, StateSync, Mixing):
         save_checkpoint(self.cfg.state_dir, state)
 
     def _checkpoint_state(self) -> dict[str, Any]:
-        """A consistent copy of what the checkpoint holds (tensors cloned: it may be written later)."""
-        outer = self.outer.state_dict()  # θ_global already cloned there
+        """What the checkpoint holds (node/checkpoint.py, format 2): the live tensors of θ_global and the
+        outer momentum, not copies; hold the state lock while they are used. The inner optimizer's
+        moments are not kept (docs/operations.md: what a resume loses)."""
         return {
             "spec": self.spec.model_dump(),
             "spec_hash": self.spec.spec_hash(),
@@ -940,15 +937,13 @@ class Node(Startup, StateSync, Mixing):
             "outer_step": self.outer_step,
             "inner_steps_total": self.stats.inner_steps_total,
             "tokens_total": self.stats.tokens_total,
-            "outer": {**outer, "optimizer": cloned(outer["optimizer"])},
-            "inner_optimizer": cloned(self.inner_opt.state_dict()),
+            "outer": self.outer.state_dict(),
         }
 
     def _save_checkpoint_in_background(self) -> None:
-        """Snapshot the state now (training thread), write it on the checkpoint thread."""
-        state = self._checkpoint_state()
+        """Write the state on the checkpoint thread, from the live tensors (:meth:`_write_checkpoint_now`)."""
         self.stop.has_checkpoint = True
-        self._last_checkpoint = self._checkpoints.submit(self._write_checkpoint, state)
+        self._last_checkpoint = self._checkpoints.submit(self._write_checkpoint_now)
 
     def _dht_upkeep(self) -> None:
         """Housekeeping thread: publish our record, refresh the run spec, read the swarm's records

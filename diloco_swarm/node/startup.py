@@ -7,7 +7,6 @@ before the network is touched.
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from dataclasses import replace
@@ -21,6 +20,7 @@ from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
 from diloco_swarm.models import num_parameters
 from diloco_swarm.node.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, remove_stale_temp_files
 from diloco_swarm.node.errors import NodeError
+from diloco_swarm.node.inner import build_inner_optimizer
 from diloco_swarm.node.outer import OuterOptimizer
 from diloco_swarm.node.outer_sync import OuterSync
 from diloco_swarm.node.statesync import theta_digest
@@ -104,33 +104,18 @@ class Startup:
                 "use another --state-dir, or the flags of that run"
             )
 
-        self.model = self.assets.model.to(self.device)
+        model_shape = self.assets.model  # on the meta device: shapes only, no memory
         self.assets.save_for_export(cfg.state_dir)
         phase("assets")
-        if spec.seq_len > self.model.config.block_size:
+        if spec.seq_len > model_shape.config.block_size:
             raise NodeError(
-                f"--seq-len {spec.seq_len} exceeds the '{spec.model}' model's context of {self.model.config.block_size}"
+                f"--seq-len {spec.seq_len} exceeds the '{spec.model}' model's context of {model_shape.config.block_size}"
             )
-        self.params = list(self.model.parameters())
-        self.eval_model = copy.deepcopy(self.model)  # holds θ_global for evaluation
-        self.eval_params = list(self.eval_model.parameters())
-        self.outer = OuterOptimizer(self.params, lr=spec.outer_lr, momentum=spec.outer_momentum)
-        if cfg.target_group_size:  # a grid run: θ_0, before any checkpoint, is every member's last-resort mixing reference
-            self.history.anchor_on((0, theta_digest(self.outer.theta)), self.outer.theta)
-        self.sync = OuterSync(self.outer, self.params, self._run_round, overlap=spec.sync_mode == "overlap",
-                              stop=self.stop.event)
+        self.outer_step = 0
         self.min_inner_steps = max(1, round(spec.inner_steps * MIN_INNER_STEPS_FRACTION))
         self.max_inner_steps = spec.inner_steps * MAX_INNER_STEPS_FACTOR
         # a round ends by itself within: the averaging window, the all-reduce, the digest confirmation
         self.round_deadline_s = cfg.averaging_window + cfg.allreduce_timeout + DIGEST_WAIT_S + ROUND_MARGIN_S
-        self.inner_opt = torch.optim.AdamW(self.params, lr=spec.inner_lr, betas=(0.9, 0.95), weight_decay=0.1)
-        self.outer_step = 0
-        if checkpoint is not None:
-            self._restore(checkpoint)
-            self._checkpoint_on_disk = self.outer_step
-            self.stop.has_checkpoint = True
-            # the state we hold: with another holder's record, evidence for a joiner (node/statesync.py)
-            self.stats.theta_marks.append((self.outer_step, theta_digest(self.outer.theta)))
 
         from diloco_swarm.dht.records import PeerRecordPublisher, record_validators
 
@@ -140,7 +125,6 @@ class Startup:
         # --port 0: our last run's port when it is free, so the addresses other peers keep for us stay valid
         dht_args = dict(host=cfg.host, port=cfg.port or previous_port(cfg.state_dir, cfg.host), announce=cfg.announce,
                         identity_path=cfg.state_dir / "identity.key", record_validators=validators)
-        phase("training_state")
         self.dht = self._start_dht_or_rejoin(dht_args)
         cfg = self.cfg  # its initial peers may now be the known peers we rejoined through
         self.peer_id = self.dht.peer_id.to_base58()
@@ -156,8 +140,10 @@ class Startup:
             self.dht = start_dht(initial_peers=cfg.initial_peers, client_mode=True, retry_busy_port_s=15.0, **dht_args)
         self.sampler = self.assets.sampler(cfg.batch_size, spec.seq_len, seed=spec.seed, stream_id=self.peer_id)
         self.eval_set = self.assets.held_out_batches(cfg.batch_size, spec.seq_len, cfg.eval_batches)
+        # forked before any model-sized buffer exists (the DHT above too): a child shares none of the
+        # model's pages, which training would otherwise copy into the child's memory one by one
         self.averager = self._averager_type()(
-            [t.clone() for t in self.outer.theta],
+            [torch.zeros(p.shape, dtype=torch.float32) for p in model_shape.parameters()],
             self.dht,
             prefix=spec.run_id,
             compression=spec.compression,
@@ -169,9 +155,11 @@ class Startup:
             client_mode=self.client_mode,
             state_provider=self._state_for_donation,
         )
+        phase("averager")
+        self._build_training_state(checkpoint)
         if not self.client_mode:
             self.averager.state_sharing_priority = self._donor_priority()
-        phase("averager")
+        phase("training_state")
         addrs = self.maddrs = visible_maddrs(self.dht)
         save_port(cfg.state_dir, addrs)  # (a client has none: nobody dials it)
         self.records = PeerRecordPublisher(self.dht, spec.run_id, validators, self._record_snapshot, interval_s=5.0,
@@ -207,6 +195,25 @@ class Startup:
                 "startup_s": phases,
             }
         )
+
+    def _build_training_state(self, checkpoint: dict[str, Any] | None) -> None:
+        """The model's weights on its device, θ_global and the outer optimizer, the inner optimizer,
+        and the checkpoint restored into them (memory budget: docs/architecture.md)."""
+        spec, cfg = self.spec, self.cfg
+        self.model = self.assets.build_model().to(self.device)
+        self.params = list(self.model.parameters())
+        self.outer = OuterOptimizer(self.params, lr=spec.outer_lr, momentum=spec.outer_momentum)
+        if cfg.target_group_size:  # a grid run: θ_0, before any checkpoint, is every member's last-resort mixing reference
+            self.history.anchor_on((0, theta_digest(self.outer.theta)), self.outer.theta)
+        self.sync = OuterSync(self.outer, self.params, self._run_round, overlap=spec.sync_mode == "overlap",
+                              stop=self.stop.event)
+        self.inner_opt = build_inner_optimizer(cfg.inner_optimizer, self.params, lr=spec.inner_lr)
+        if checkpoint is not None:
+            self._restore(checkpoint)
+            self._checkpoint_on_disk = self.outer_step
+            self.stop.has_checkpoint = True
+            # the state we hold: with another holder's record, evidence for a joiner (node/statesync.py)
+            self.stats.theta_marks.append((self.outer_step, theta_digest(self.outer.theta)))
 
     def _start_dht_or_rejoin(self, dht_args: dict[str, Any]):
         """Start the DHT through ``--initial-peers``; without them, through the peers this node saw
@@ -326,8 +333,7 @@ class Startup:
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
         try:
-            self.outer.load_state_dict(ckpt["outer"])
-            self.inner_opt.load_state_dict(ckpt["inner_optimizer"])
+            self.outer.load_state_dict(ckpt["outer"])  # (format 1's inner optimizer state is not used)
             self.outer_step = int(ckpt["outer_step"])
             self.stats.inner_steps_total = int(ckpt["inner_steps_total"])
             self.stats.tokens_total = int(ckpt["tokens_total"])
@@ -341,12 +347,10 @@ class Startup:
                 f"checkpoint {checkpoint_path(self.cfg.state_dir)} does not fit this model ({e}); "
                 "move it away to start fresh"
             ) from None
-        inner_state = [v for state in self.inner_opt.state.values() for v in state.values()
-                       if torch.is_tensor(v) and v.is_floating_point()]
-        if not all(torch.isfinite(t).all() for t in self.outer.theta + self.outer.momentum_buffers() + inner_state):
+        if not all(torch.isfinite(t).all() for t in self.outer.theta + self.outer.momentum_buffers()):
             raise CheckpointError(
                 f"checkpoint {checkpoint_path(self.cfg.state_dir)} holds non-finite values; move it away to start "
-                f"fresh, or restore {self.cfg.state_dir / 'checkpoint.prev.pt'}"
+                "fresh (a peer of the run then serves its state)"
             )
         self.outer.copy_to(self.params)
 

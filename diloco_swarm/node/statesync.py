@@ -131,10 +131,13 @@ class StateSync:
     """Join sync, reconcile and state donation of a :class:`~diloco_swarm.node.runner.Node`."""
 
     def _state_for_donation(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """(metadata, θ_global tensors + outer momentum tensors), a consistent snapshot."""
+        """(metadata, θ_global tensors + outer momentum tensors), a consistent snapshot.
+        :raises RuntimeError: the training state is not built yet (start-up): the asker tries another donor."""
+        if getattr(self, "outer", None) is None:
+            raise RuntimeError("this peer is still starting up")
         with self._state_lock:
             theta = [t.clone() for t in self.outer.theta]
-            momentum = self.outer.momentum_buffers()
+            momentum = [m.clone() for m in self.outer.momentum_buffers()]
             step = self.outer_step
         meta = {"outer_step": step, "spec_hash": self.spec.spec_hash(), "theta_digest": theta_digest(theta),
                 "peer_id": self.peer_id}

@@ -53,6 +53,13 @@ them behind (we counted 355 in /tmp after a day of tests). :func:`_own_socket_di
 fresh directory per process, ``/tmp/diloco-p2p-<pid>-<random>``, removed at exit; a process that was
 killed leaves its directory to the next process that loads these fixes, which removes the directories
 whose lock no running process holds.
+
+A served state kept alive. ``DecentralizedAverager`` answers a state download through
+``_background_thread_fetch_current_state``, a thread of the host process whose loop keeps the last
+state it served (the snapshot of θ_global and the momentum, 8 B/param) in its local variables while
+it waits for the next request, i.e. for good: after its first donation a node held one more copy of
+its state than its memory budget (tests/test_memory_budget.py). :func:`_serve_states` handles each
+request in a call of its own, so nothing of a served state outlives the transfer.
 """
 
 from __future__ import annotations
@@ -368,6 +375,41 @@ def _start_shm_manager_sheltered() -> None:
             signal.signal(sig, handler)
 
 
+def _serve_one_state(serializer, future, get_current_state_ref) -> bool:
+    """One state request, as hivemind serves it; every reference to the state ends with this call.
+    :returns: False when the averager is gone (the thread ends)."""
+    try:
+        get_current_state = get_current_state_ref()
+        if get_current_state is None:
+            return False
+        state = tuple(get_current_state())
+        assert 0 < len(state) <= 3
+        metadata, tensors, infos = state + (None,) * (3 - len(state))
+        future.set_result((serializer.dumps(metadata),
+                           tuple(t.cpu().detach().requires_grad_(t.requires_grad) for t in tensors), infos))
+    except BaseException as e:
+        future.set_exception(e)
+        logging.getLogger("hivemind.averaging.averager").warning(e)
+    return True
+
+
+def _serve_states(serializer, pipe, get_current_state_ref) -> None:
+    """``hivemind.averaging.averager._background_thread_fetch_current_state``, without keeping the last
+    served state alive between requests (module docstring)."""
+    while True:
+        try:
+            trigger, future = pipe.recv()
+        except BaseException as e:
+            logging.getLogger("hivemind.averaging.averager").debug(f"Averager background thread finished: {e!r}")
+            break
+        if trigger == "_SHUTDOWN":
+            break
+        assert trigger == "_TRIGGER_GET_CURRENT_STATE"
+        if not _serve_one_state(serializer, future, get_current_state_ref):
+            break
+        del future
+
+
 def patch_hivemind() -> None:
     """Apply the fixes to hivemind's classes (idempotent; must run before DHTs/averagers fork)."""
     from hivemind.averaging import DecentralizedAverager
@@ -392,6 +434,9 @@ def patch_hivemind() -> None:
         run = cls.__dict__.get("run")
         if run is not None and not getattr(run, "__dies_with_parent__", False):
             setattr(cls, "run", _run_dying_with_parent(run))
+    from hivemind.averaging import averager as averager_module
+
+    averager_module._background_thread_fetch_current_state = _serve_states  # (read when an averager is built)
     from hivemind.averaging.key_manager import GroupKeyManager
 
     if not getattr(GroupKeyManager.get_averagers, "__paced__", False):

@@ -1,0 +1,70 @@
+"""A ``diloco-node`` whose node counts the tensors it holds (``python tests/census_node.py join ...``).
+
+The node is the product's, subclassed (faults and probes live in the tests): after every applied
+round, while a checkpoint is written and right after a donation snapshot, it lists every tensor of
+the process (``gc``), keeps one per storage (shared storages and views count once, by data pointer),
+and appends ``{"at", "outer_step", "params", "bytes", "tensors"}`` to ``$CENSUS_FILE`` (JSON Lines).
+The averager's shared buffers are counted too: they are mapped in this process.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from diloco_swarm.node import faults  # noqa: E402
+from diloco_swarm.node.runner import Node  # noqa: E402
+
+_lock = threading.Lock()
+
+
+def held_storages() -> tuple[int, int]:
+    """(bytes, count) of the distinct storages of every CPU tensor in this process."""
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
+                continue
+            storage = obj.untyped_storage()
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        except Exception:  # (tensors being torn down on another thread, or without storage)
+            continue
+    return sum(seen.values()), len(seen)
+
+
+class CensusNode(Node):
+    def _census(self, at: str) -> None:
+        with _lock:
+            nbytes, count = held_storages()
+            with open(os.environ["CENSUS_FILE"], "a") as f:
+                f.write(json.dumps({"at": at, "outer_step": self.outer_step, "bytes": nbytes, "tensors": count,
+                                    "params": sum(p.numel() for p in self.params)}) + "\n")
+
+    def _after_round(self, *args, **kwargs) -> None:
+        super()._after_round(*args, **kwargs)
+        self._census("round")
+
+    def _store_checkpoint(self, state) -> None:
+        self._census("checkpoint")  # (on the checkpoint thread, training going on meanwhile)
+        super()._store_checkpoint(state)
+
+    def _state_for_donation(self):
+        snapshot = super()._state_for_donation()
+        self._census("donation")
+        return snapshot
+
+
+if __name__ == "__main__":
+    faults.node_type = lambda fault, slowdown: CensusNode
+    from diloco_swarm.cli import main
+
+    sys.argv = ["diloco-node", *sys.argv[1:]]
+    main()
