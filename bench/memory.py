@@ -58,6 +58,22 @@ def _dir_bytes(path: Path) -> dict[str, int]:
     return {"total": sum(files.values()), **{k: v for k, v in files.items() if k.startswith("checkpoint")}}
 
 
+ROLES = ("main", "DHT", "averager", "p2pd", "shm manager")
+
+
+def _role(pid: int, comm: str, root: int, sample: dict[int, tuple[str, int]]) -> str:
+    """main, p2pd, torch's shm manager, or the forked python children in the order they started: the
+    DHT, then the averager (a client-mode restart's second DHT would come third)."""
+    if pid == root:
+        return "main"
+    if comm.startswith("p2pd"):
+        return "p2pd"
+    if comm.startswith("torch_shm"):
+        return "shm manager"
+    forked = sorted(p for p, (c, _) in sample.items() if p != root and not c.startswith(("p2pd", "torch_shm")))
+    return ("DHT", "averager")[forked.index(pid)] if forked.index(pid) < 2 else f"child-{forked.index(pid) + 1}"
+
+
 def _node_figures(run, state_dir: Path) -> dict[str, Any]:
     params = _params(run.log)
     peak_total, peak_roles = 0, {}
@@ -65,9 +81,8 @@ def _node_figures(run, state_dir: Path) -> dict[str, Any]:
     for _, sample in run.pss_samples:
         total = sum(b for _, b in sample.values())
         peak_total = max(peak_total, total)
-        forked = sorted(p for p, (comm, _) in sample.items() if p != root and not comm.startswith("p2pd"))
         for pid, (comm, b) in sample.items():
-            role = "main" if pid == root else "p2pd" if comm.startswith("p2pd") else f"child-{forked.index(pid) + 1}"
+            role = _role(pid, comm, root, sample)
             peak_roles[role] = max(peak_roles.get(role, 0), b)
     starts = run.records("start")
     startup = starts[0].get("startup_s") if starts else None
@@ -167,7 +182,7 @@ def _row(model: str, variant: str, n: dict[str, Any]) -> list[Any]:
     roles = n["peak_pss_by_role"]
     return [model, variant, f"{(n['params'] or 0) / 1e6:.2f}M", human_bytes(n["peak_pss"]),
             n.get("peak_b_per_param"), n.get("beyond_training_state_b_per_param"),
-            " / ".join(human_bytes(roles[r]) for r in sorted(roles)) if roles else "",
+            " / ".join(human_bytes(roles[r]) if r in roles else "–" for r in ROLES),
             human_bytes(n["state_dir"]["total"]), n.get("state_dir_b_per_param"), n.get("startup_total_s"),
             f"{n['rounds_ok']}/{n['outer_steps']}", n["state_syncs"], n["exit_code"]]
 
@@ -186,10 +201,10 @@ def section(result: dict[str, Any], source: Path) -> str:
             "(one node for llama-150m, which two base nodes would not fit on this 24 GB machine). Peak PSS of each "
             "node's whole process tree (the node, its DHT and averager processes, p2pd), per parameter, and beyond "
             f"the model's own training state on the CPU ({TRAINING_STATE_B} B/param: weights, grads, AdamW's two "
-            "moments; process overheads included, so small models show large figures). Roles: peak PSS of the "
-            "averager process, the DHT process, the node's main process and p2pd.\n\n"
-            + md_table(["model", "code, node", "params", "peak PSS", "B/param", "beyond 16 B", "roles (child-1 / "
-                        "child-2 / main / p2pd)", "state dir", "B/param", "start-up s", "rounds ok", "downloads",
+            "moments; process overheads included, so small models show large figures). By process: each one's own peak "
+            "(they need not peak together; shared pages count half in each of two sharers).\n\n"
+            + md_table(["model", "code, node", "params", "peak PSS", "B/param", "beyond 16 B", "peak by process ("
+                        + " / ".join(ROLES) + ")", "state dir", "B/param", "start-up s", "rounds ok", "downloads",
                         "exit"], rows)
             + "\n" + provenance_md(result, source) + "<!-- /bench:memory -->\n")
 
