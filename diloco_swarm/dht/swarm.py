@@ -95,6 +95,16 @@ def check_port_free(host: str, port: int) -> None:
         raise SwarmError(problem)
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether ``--host`` is a loopback address (127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def listen_maddrs(host: str, port: int) -> list[str]:
     proto = "ip6" if ":" in host else "ip4"
     return [f"/{proto}/{host}/tcp/{port}"]
@@ -192,6 +202,9 @@ def start_dht(
                 record_validators=list(record_validators),
                 use_relay=False,
                 use_auto_relay=False,
+                # UPnP / NAT-PMP asks the router for a port mapping: pointless, and traffic beyond this
+                # machine, for a node that listens on loopback only (the demo, tests, benchmarks)
+                nat_port_map=not is_loopback_host(host),
             )
             try:
                 dht.run_in_background(await_ready=True, timeout=DHT_START_TIMEOUT_S)
