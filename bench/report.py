@@ -44,7 +44,7 @@ between the `<!-- bench:... -->` markers. To rerun:
 .venv/bin/python -m bench.idle           # section 7: CPU of a lone peer waiting for a group, ~3 min
 .venv/bin/python -m bench.simscale       # section 8: 64-1,024 simulated peers on the node's grouping rule, ~10 s
 .venv/bin/python -m bench.eager          # section 4b: what θ̂ steps on at an overlapped hand-off, ~15 min
-.venv/bin/python -m bench.memory         # section 9: peak PSS, B/param, state dir and start-up of two nodes per model, vs the code before (--base), ~25 min
+.venv/bin/python -m bench.memory         # section 9: peak PSS, B/param, state dir and start-up of two nodes per model, vs the code before (--base), 7–30 min
 .venv/bin/python -m bench.staleness      # section 4c: overlap (3 round lengths, and streamed) vs blocking over 30 outer steps, 3 seeds, ~25 min
 ```
 

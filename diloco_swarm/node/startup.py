@@ -104,6 +104,9 @@ class Startup:
                 "use another --state-dir, or the flags of that run"
             )
 
+        # the checkpoint is read again once the child processes run: a mapping of the file made now would be
+        # inherited by them for their lifetime, keeping the file's blocks on disk after it is replaced
+        resuming, checkpoint = checkpoint is not None, None
         model_shape = self.assets.model  # on the meta device: shapes only, no memory
         self.assets.save_for_export(cfg.state_dir)
         phase("assets")
@@ -156,6 +159,7 @@ class Startup:
             state_provider=self._state_for_donation,
         )
         phase("averager")
+        checkpoint = load_checkpoint(checkpoint_path(cfg.state_dir)) if resuming else None
         self._build_training_state(checkpoint)
         if not self.client_mode:
             self.averager.state_sharing_priority = self._donor_priority()
@@ -172,7 +176,7 @@ class Startup:
             f"peer {self.peer_id} | run '{spec.run_id}' | model {spec.model} "
             f"({num_parameters(self.model) / 1e6:.2f}M params) on {self.device} | data {self.assets.description}"
         )
-        if checkpoint is not None:  # said once the DHT took our identity (a copied state dir fails before)
+        if resuming:  # said once the DHT took our identity (a copied state dir fails before)
             self.status.log(f"resumed from {checkpoint_path(cfg.state_dir)} at outer step {self.outer_step}")
         if self.client_mode:  # nobody can dial a client: its addresses are useless to joiners
             self.status.log("others cannot join through this node (it is a client); give them the address of a "
