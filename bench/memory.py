@@ -155,7 +155,7 @@ def _worktree(rev: str, where: Path) -> Path:
     return where
 
 
-def run(size: str, base: str | None = BASE) -> dict[str, Any]:
+def run(size: str, base: str | None = BASE, base_nodes: int | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"models": {}, "base": base}
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         tmp = Path(tmp)
@@ -163,7 +163,7 @@ def run(size: str, base: str | None = BASE) -> dict[str, Any]:
         try:
             for model in SIZES[size]:
                 entry = results["models"][model] = {}
-                for variant, code, nodes in (("now", REPO, 2), ("base", base_code, MODELS[model][2])):
+                for variant, code, nodes in (("now", REPO, 2), ("base", base_code, base_nodes or MODELS[model][2])):
                     if code is None:
                         continue
                     print(f"[memory] {model} ({variant}, {nodes} node(s)) ...", file=sys.stderr, flush=True)
@@ -197,8 +197,9 @@ def section(result: dict[str, Any], source: Path) -> str:
             + ("" if result["size"] == "full" else "> **Toy size**: run `python -m bench.memory` for the full-size figures.\n\n")
             + "Two nodes per model on 127.0.0.1 (CPU, one thread each), averaging for a few outer steps with "
             "checkpoints; the second joins late and downloads the first's state. *now*: this checkout; *base*: "
-            f"`{result.get('base')}`, the code before the memory work, run side by side in the same invocation "
-            "(one node for llama-150m, which two base nodes would not fit on this 24 GB machine). Peak PSS of each "
+            f"`{result.get('base')}`" + (", the code before the memory work" if result.get("base") == BASE else "")
+            + ", run side by side in the same invocation (its node count is in the table: one node for llama-150m "
+            f"at `{BASE}`, which two would not fit on this 24 GB machine). Peak PSS of each "
             "node's whole process tree (the node, its DHT and averager processes, p2pd), per parameter, and beyond "
             f"the model's own training state on the CPU ({TRAINING_STATE_B} B/param: weights, grads, AdamW's two "
             "moments; process overheads included, so small models show large figures). By process: each one's own peak "
@@ -214,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny, small and llama-tiny only (a few minutes)")
     ap.add_argument("--size", choices=tuple(SIZES), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--base", default=BASE, help=f"git revision to compare with (default {BASE}); '' for none")
+    ap.add_argument("--base-nodes", type=int, default=None, metavar="N",
+                    help="nodes of the base code per model (default: 2, 1 for llama-150m, whose base nodes need ~20 GB each)")
     ap.add_argument("--models", default=None, help="comma-separated subset of " + ", ".join(MODELS))
     ap.add_argument("--soak", type=int, default=0, metavar="ROUNDS",
                     help="instead: two tiny nodes averaging ROUNDS outer steps (H = 5), PSS growth per 100 rounds")
@@ -235,9 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.models:
         SIZES[size] = [m for m in args.models.split(",") if m in MODELS]
-    prov = provenance("python -m bench.memory" + (" --quick" if args.quick else ""))
+    prov = provenance(" ".join(["python -m bench.memory", *(sys.argv[1:] if argv is None else argv)]))
     t0 = time.perf_counter()
-    result = {"name": "memory", "size": size, **run(size, args.base or None)}
+    result = {"name": "memory", "size": size, **run(size, args.base or None, args.base_nodes)}
     result.update(elapsed_s=round(time.perf_counter() - t0, 1), loadavg_end=loadavg(), provenance=prov)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = result_path(args.out_dir, "memory", size)

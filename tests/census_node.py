@@ -1,7 +1,7 @@
 """A ``diloco-node`` whose node counts the tensors it holds (``python tests/census_node.py join ...``).
 
 The node is the product's, subclassed (faults and probes live in the tests): after every applied
-round, while a checkpoint is written and right after a donation snapshot, it lists every tensor of
+round, while a checkpoint is written and when it serves a donation, it lists every tensor of
 the process (``gc``), keeps one per storage (shared storages and views count once, by data pointer),
 and appends ``{"at", "outer_step", "params", "bytes", "tensors"}`` to ``$CENSUS_FILE`` (JSON Lines).
 The averager's shared buffers are counted too: they are mapped in this process.
@@ -57,9 +57,9 @@ class CensusNode(Node):
         super()._store_checkpoint(state)
 
     def _state_for_donation(self):
-        snapshot = super()._state_for_donation()
+        served = super()._state_for_donation()
         self._census("donation")
-        return snapshot
+        return served
 
 
 if __name__ == "__main__":

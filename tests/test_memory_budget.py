@@ -3,9 +3,9 @@
 Two ``small`` nodes on 127.0.0.1 average for a few outer steps; the second joins late and downloads
 the first's state. Each runs ``tests/census_node.py`` (the product's node, subclassed), which counts
 the distinct storages of every tensor in its process after every applied round, while a checkpoint
-is written and right after a donation snapshot. A model-sized copy added anywhere in the node (4 B
-per parameter), or one kept after its use (a served state, hivemind's trap in utils/hivemind_fixes.py),
-fails here. The peak PSS of whole process trees is ``python -m bench.memory``'s.
+is written and when it serves a donation (its live state, no snapshot). A model-sized copy added
+anywhere in the node (4 B per parameter), or one kept after its use (a served state, hivemind's trap
+in utils/hivemind_fixes.py), fails here. The peak PSS of whole process trees is ``python -m bench.memory``'s.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ SLACK_B = 1.0  # per parameter: data batches, codec tables and the like (`small`
 # bytes per parameter, from the budget table: weights 4 + AdamW's moments 8 + θ_global 4 + outer momentum 4
 # + the averager's shared buffer 4 + the hand-off's Δ 4 ...
 SETTLED_B = 28
-# ... at any moment: + grads 4 (backward to step, seen from the checkpoint thread) + a donation's snapshot 8
-PEAK_B = SETTLED_B + 4 + 8
+# ... at any moment: + grads 4 (backward to step, seen from the checkpoint thread); a donation adds nothing
+PEAK_B = SETTLED_B + 4
 
 
 def test_a_node_holds_its_budget_after_rounds_checkpoints_and_a_donation(tmp_path):

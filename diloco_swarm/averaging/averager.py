@@ -49,6 +49,7 @@ from diloco_swarm.averaging.allreduce import (
 )
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S, FAILED_MARK, OutcomeBoard, ask_outcomes, valid_outcome
+from diloco_swarm.averaging.donation import StateSeal, stream_state
 from diloco_swarm.averaging.grouping import grid_group_quorum, is_count, majority_quorum, step_quorum_problem
 from diloco_swarm.averaging.mixing import mixing_group_id
 from diloco_swarm.averaging.reachability import Responder
@@ -198,7 +199,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         next_chunk_timeout: float = 10.0,
         max_norm_ratio: float = 10.0,
         client_mode: bool | None = None,
-        state_provider: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]] | None = None,
+        state_provider: Callable[[], tuple[dict[str, Any], list[torch.Tensor], StateSeal]] | None = None,
         **kwargs,
     ):
         if compression not in COMPRESSIONS:
@@ -222,6 +223,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         # [round token, tensors of this round's average written so far]: the token is the node's (one
         # per use of the buffers), the count the averager process's, as the all-gather delivers them
         self._arrivals = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self._donations = torch.zeros(1, dtype=torch.int64).share_memory_()  # state streams in flight (donation.py)
         # hivemind's run_in_background() sets SIGINT to SIG_IGN in *our* process (meaning the
         # child); keep the child's SIG_IGN but give the caller its Ctrl+C handler back.
         previous_sigint = signal.getsignal(signal.SIGINT)
@@ -634,13 +636,26 @@ class PseudoGradientAverager(DecentralizedAverager):
             if not future.done():
                 future.set_exception(RuntimeError(_short_reason(e) if str(e) else type(e).__name__))
 
+    async def rpc_download_state(self, _request: averaging_pb2.DownloadRequest,
+                                 _context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's, streaming our live state with its seal (donation.py): no snapshot."""
+        if not self.allow_state_sharing:
+            return  # hivemind's refusal: the asker tries another donor
+        metadata, tensors, seal = await self._get_current_state_from_host_process()
+        async for message in stream_state(metadata, tensors, seal, self.state_compression, self._donations):
+            yield message
+
     # --- runs in the caller's process -------------------------------------------------
     def get_current_state(self):
-        """Serve our state to a downloading peer (hivemind calls this in our process, in a thread)."""
+        """Serve our state to a downloading peer (hivemind calls this in our process, in a thread):
+        (metadata, the live tensors, their :class:`StateSeal`), passed on as hivemind's third field."""
         if self._state_provider is None:
             raise RuntimeError("this peer does not share its state")
-        metadata, tensors = self._state_provider()
-        return metadata, tensors, None
+        return self._state_provider()
+
+    def donating(self) -> bool:
+        """Whether a state donation is streaming now (from the averager process)."""
+        return bool(self._donations.item())
 
     def donors(self) -> dict[str, float]:
         """Peers that share their state, with their priority (= their outer step): ``{peer_id: step}``."""

@@ -124,8 +124,8 @@ class ClaimAheadNode(Node):
         return {**super()._round_metadata(handoff), "outer_step": handoff.outer_step + CLAIM_AHEAD_STEPS}
 
     def _state_for_donation(self):
-        meta, tensors = super()._state_for_donation()
-        return {**meta, "outer_step": meta["outer_step"] + CLAIM_AHEAD_STEPS}, tensors
+        meta, tensors, seal = super()._state_for_donation()
+        return {**meta, "outer_step": meta["outer_step"] + CLAIM_AHEAD_STEPS}, tensors, seal
 
     def _donor_priority(self) -> float:
         return super()._donor_priority() + CLAIM_AHEAD_STEPS

@@ -145,6 +145,5 @@ class Mixing:
             self._remember_theta()
             self.sync.adopt(mixed.theta, mixed.momentum, handoff.delta, estimate, carry=False)
             self.outer_step = mixed.outer_step
-            self._theta_version += 1
         self.stats.theta_marks.append((self.outer_step, mixed.digest))
         self.stats.mixed_rounds += 1

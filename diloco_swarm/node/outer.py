@@ -1,7 +1,9 @@
 """θ_global and the outer optimizer of DiLoCo (Douillard et al., arXiv 2311.08105, Algorithm 1).
 
-θ_global and the outer momentum live in fp32 on the CPU, whatever device the model trains on; the
-step and its preview run one tensor at a time, so no model-sized temporary exists (the memory budget).
+θ_global and the outer momentum live in fp32 on the CPU, whatever device the model trains on, in
+shared memory: the averager process streams them to a joining peer as they are, with no snapshot
+(``generation`` tells it whether they changed meanwhile; averaging/donation.py). The step and its
+preview run one tensor at a time, so no model-sized temporary exists (the memory budget).
 The pseudo-gradient is Δ = θ_global − θ_local; the outer step is SGD with Nesterov momentum on
 θ_global with grad = (averaged) Δ, after which the model restarts from θ_global.
 """
@@ -23,10 +25,19 @@ class OuterOptimizer:
     """
 
     def __init__(self, params: Iterable[nn.Parameter], lr: float = 0.7, momentum: float = 0.9):
-        self.theta: list[torch.Tensor] = [p.detach().to("cpu", torch.float32).clone() for p in params]
+        self.theta: list[torch.Tensor] = [p.detach().to("cpu", torch.float32).clone().share_memory_() for p in params]
         # torch's SGD holds the hyper-parameters and the momentum (its state_dict is the checkpoint's
         # format); the step itself is step_tensor's, one tensor at a time
         self.optimizer = torch.optim.SGD(self.theta, lr=lr, momentum=momentum, nesterov=momentum > 0)
+        if momentum > 0:  # zeros from the start: the first step's buf·momentum + Δ is Δ, as torch's clone
+            for theta in self.theta:
+                self.optimizer.state[theta]["momentum_buffer"] = torch.zeros_like(theta).share_memory_()
+        # bumped before every write to θ_global or the momentum (int64, shared memory): a reader outside
+        # our process (a state donation) knows its copy is whole when the count did not move meanwhile
+        self.generation = torch.zeros(1, dtype=torch.int64).share_memory_()
+
+    def _will_write(self) -> None:
+        self.generation.add_(1)
 
     @torch.no_grad()
     def pseudo_gradient(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
@@ -68,13 +79,10 @@ class OuterOptimizer:
         group = self.optimizer.param_groups[0]
         lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
         theta, grad = self.theta[index], delta.to(torch.float32)
+        self._will_write()
         if momentum != 0:
-            state = self.optimizer.state[theta]
-            buf = state.get("momentum_buffer")
-            if buf is None:
-                buf = state["momentum_buffer"] = grad.clone()
-            else:
-                buf.mul_(momentum).add_(grad)
+            buf = self.optimizer.state[theta]["momentum_buffer"]
+            buf.mul_(momentum).add_(grad)
             grad = grad.add(buf, alpha=momentum) if nesterov else buf
         theta.add_(grad, alpha=-lr)
 
@@ -130,8 +138,7 @@ class OuterOptimizer:
         grad = delta.to(torch.float32)
         if momentum == 0:
             return theta.add(grad, alpha=-lr), torch.zeros_like(theta)
-        buf = self.optimizer.state.get(theta, {}).get("momentum_buffer")
-        buf = grad.clone() if buf is None else buf.mul(momentum).add_(grad)
+        buf = self.optimizer.state[theta]["momentum_buffer"].mul(momentum).add_(grad)
         grad = grad.add(buf, alpha=momentum) if nesterov else buf
         return theta.add(grad, alpha=-lr), buf
 
@@ -143,12 +150,10 @@ class OuterOptimizer:
 
     def momentum_buffers(self) -> list[torch.Tensor]:
         """The outer momentum of each θ_global tensor (zeros before the first outer step), fp32 CPU:
-        the live buffers, not copies (the next outer step changes them)."""
-        out = []
-        for theta in self.theta:
-            buf = self.optimizer.state.get(theta, {}).get("momentum_buffer")
-            out.append(buf if buf is not None else torch.zeros_like(theta))
-        return out
+        the live buffers, not copies (the next outer step changes them); new zeros without momentum."""
+        if self.optimizer.defaults["momentum"] == 0:
+            return [torch.zeros_like(theta) for theta in self.theta]
+        return [self.optimizer.state[theta]["momentum_buffer"] for theta in self.theta]
 
     @torch.no_grad()
     def load_theta_and_momentum(self, theta: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]) -> None:
@@ -170,13 +175,10 @@ class OuterOptimizer:
         """θ_global's tensor ``index`` and its momentum ← ``theta``, ``momentum`` (shapes checked by
         :meth:`check_state`)."""
         mine = self.theta[index]
+        self._will_write()
         mine.copy_(theta)
         if self.optimizer.defaults["momentum"] > 0:
-            buf = self.optimizer.state[mine].get("momentum_buffer")
-            if buf is None:
-                self.optimizer.state[mine]["momentum_buffer"] = momentum.to(torch.float32).clone()
-            else:
-                buf.copy_(momentum)
+            self.optimizer.state[mine]["momentum_buffer"].copy_(momentum)
 
     def state_dict(self) -> dict[str, Any]:
         """θ_global and the optimizer's state dict: the live tensors, not copies (a checkpoint writes
@@ -198,9 +200,13 @@ class OuterOptimizer:
                 buf is not None and (not isinstance(buf, torch.Tensor) or buf.shape != self.theta[index].shape)
             ):
                 raise ValueError("the outer momentum in the state has other shapes than this model")
+        ours = self.momentum_buffers() if self.optimizer.defaults["momentum"] > 0 else None
+        self._will_write()
         for mine, theirs in zip(self.theta, theta):
             mine.copy_(theirs)
         self.optimizer.load_state_dict(state["optimizer"])
-        for param_state in self.optimizer.state.values():  # our own memory, not the (memory-mapped) file's
-            if isinstance(param_state.get("momentum_buffer"), torch.Tensor):
-                param_state["momentum_buffer"] = param_state["momentum_buffer"].clone()
+        if ours is not None:  # back into our own (shared) buffers, not the memory-mapped file's
+            for mine, buf in zip(self.theta, ours):
+                loaded = self.optimizer.state[mine].get("momentum_buffer")
+                buf.copy_(loaded) if isinstance(loaded, torch.Tensor) else buf.zero_()
+                self.optimizer.state[mine]["momentum_buffer"] = buf

@@ -157,8 +157,7 @@ class Node(Startup, StateSync, Mixing):
         self._checkpoint_failure: str | None = None  # why the last write failed (said once per reason)
         self.swarm_inner_step_s: float | None = None  # the online peers' median (DyLU)
         self.swarm_phase_eta: float | None = None  # the other online peers' median phase_eta (unix time)
-        self._theta_version = 0  # bumped at every change of θ_global (under the state lock)
-        self._digest_cache: tuple[int, str] | None = None  # (θ version, digest)
+        self._digest_cache: tuple[int, str] | None = None  # (θ_global's write generation, digest)
         # earlier θ_global states: θ-mixing references (node/mixing.py); a set group size plans a grid from the start
         self._history_floor = history_length(GRID_DIMS_GUESS) if config.target_group_size else 1
         self._grid_records: dict[str, tuple[float, Any]] = {}  # peer id -> (time.monotonic() seen, its record)
@@ -347,7 +346,9 @@ class Node(Startup, StateSync, Mixing):
             self.stats.inner_s += time.monotonic() - t0
             if self.sync.in_flight and not self.sync.done():
                 self._preview_arrived()
-            if self.sync.done():
+            # a round that has ended waits while a donation streams our θ_global (no snapshot of it is
+            # made, averaging/donation.py), until the phase has its steps
+            if self.sync.done() and (steps >= target or not self.averager.donating()):
                 syncs = self.stats.state_syncs
                 self._apply_round(during_inner_step=steps)
                 if self._reached_max_outer_steps():
@@ -739,11 +740,15 @@ class Node(Startup, StateSync, Mixing):
         return PseudoGradientAverager
 
     def _global_digest(self) -> str:
-        """Digest of θ_global, computed once per change (sha256 over every parameter is not free)."""
-        version = self._theta_version
-        if self._digest_cache is None or self._digest_cache[0] != version:
-            self._digest_cache = (version, theta_digest(self.outer.theta))
-        return self._digest_cache[1]
+        """Digest of θ_global, computed once per change (sha256 over every parameter is not free);
+        kept only when no write began while it was computed."""
+        generation = int(self.outer.generation.item())
+        if self._digest_cache is not None and self._digest_cache[0] == generation:
+            return self._digest_cache[1]
+        digest = theta_digest(self.outer.theta)
+        if int(self.outer.generation.item()) == generation:
+            self._digest_cache = (generation, digest)
+        return digest
 
     def _round_metadata(self, handoff: Handoff) -> dict[str, Any]:
         """What the group's members gather from us: the θ_global we started the round from."""
@@ -792,7 +797,6 @@ class Node(Startup, StateSync, Mixing):
                 self._remember_theta()
                 self.sync.apply(outcome.average, estimate)
                 self.outer_step += 1
-                self._theta_version += 1
             self.stats.theta_marks.append((self.outer_step, self._global_digest()))
         else:  # late: others are online but we are in no verified round; a solo step would start a lineage
             held = True

@@ -4,7 +4,7 @@
 - **Reconcile**: after a round, the members that started it from a θ_global other than the
   canonical one download the canonical state, and a peer more than one outer step behind the
   swarm downloads the newest (`_reconcile`, on the averaging thread; the training thread adopts it).
-- **Donation**: this peer serves a consistent snapshot of its state (`_state_for_donation`).
+- **Donation**: this peer serves its live state, sealed against a write meanwhile (`_state_for_donation`).
 
 A mixin of :class:`diloco_swarm.node.runner.Node`: it uses the node's θ_global (``outer``),
 averager, run spec, lock and reports. Every payload comes from an untrusted peer and is checked
@@ -21,6 +21,7 @@ from typing import Any, Container
 
 import torch
 
+from diloco_swarm.averaging.donation import StateSeal
 from diloco_swarm.averaging.mixing import round_step
 from diloco_swarm.node.redial import dial_peers
 
@@ -130,18 +131,18 @@ def gather_evidence(entries, me: str, my_step: int = 0, my_marks=()) -> Evidence
 class StateSync:
     """Join sync, reconcile and state donation of a :class:`~diloco_swarm.node.runner.Node`."""
 
-    def _state_for_donation(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """(metadata, θ_global tensors + outer momentum tensors), a consistent snapshot.
+    def _state_for_donation(self) -> tuple[dict[str, Any], list[torch.Tensor], StateSeal]:
+        """(metadata, the live θ_global + outer momentum tensors, their seal), read under the state
+        lock: the averager process streams them as they are and stops if the seal breaks
+        (averaging/donation.py), so no copy of the state is made.
         :raises RuntimeError: the training state is not built yet (start-up): the asker tries another donor."""
         if getattr(self, "outer", None) is None:
             raise RuntimeError("this peer is still starting up")
         with self._state_lock:
-            theta = [t.clone() for t in self.outer.theta]
-            momentum = [m.clone() for m in self.outer.momentum_buffers()]
-            step = self.outer_step
-        meta = {"outer_step": step, "spec_hash": self.spec.spec_hash(), "theta_digest": theta_digest(theta),
-                "peer_id": self.peer_id}
-        return meta, theta + momentum
+            seal = StateSeal(self.outer.generation, int(self.outer.generation.item()))
+            meta = {"outer_step": self.outer_step, "spec_hash": self.spec.spec_hash(),
+                    "theta_digest": self._global_digest(), "peer_id": self.peer_id}
+            return meta, self.outer.theta + self.outer.momentum_buffers(), seal
 
     def _check_state(self, meta: Any, tensors: list[torch.Tensor], min_step: int) -> str | None:
         """Why a downloaded state is unusable, or None. The donor is untrusted."""
@@ -450,7 +451,6 @@ class StateSync:
             else:
                 self.sync.adopt(state.tensors[:n], state.tensors[n:], handoff.delta, estimate, carry=carry)
             self.outer_step = state.meta["outer_step"]
-            self._theta_version += 1
         self.stats.theta_marks.append((self.outer_step, state.meta["theta_digest"]))
         self.stats.state_syncs += 1
         self.stats.sync_s += state.seconds
