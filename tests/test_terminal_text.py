@@ -4,7 +4,7 @@ import io
 
 from rich.console import Console
 
-from diloco_swarm.cli.app import fail
+from diloco_swarm.cli.common import fail
 from diloco_swarm.cli.status import render_table
 from diloco_swarm.cli.text import printable
 

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -169,14 +169,16 @@ class Responder:
 
 class AskDialBack:
     """DHT coroutine (runs in the DHT process via ``DHT.run_coroutine``): ask up to
-    :data:`MAX_RESPONDERS` of ``candidates`` to dial us back; the first definite answer wins."""
+    :data:`MAX_RESPONDERS` of ``candidates`` to dial us back; the first definite answer wins.
 
-    def __init__(self, prefix: str, candidates: Sequence[str], maddrs: Sequence[str]):
-        self.prefix, self.candidates, self.maddrs = prefix, list(candidates), list(maddrs)
+    ``servicer`` is the class whose ``rpc_check_reachability`` the responders serve (the averager,
+    ``PseudoGradientAverager``): its name is part of the handler's name on the wire. It is passed in,
+    not imported here, because the averager imports this module (its :class:`Responder`)."""
+
+    def __init__(self, servicer: type[ServicerBase], prefix: str, candidates: Sequence[str], maddrs: Sequence[str]):
+        self.servicer, self.prefix, self.candidates, self.maddrs = servicer, prefix, list(candidates), list(maddrs)
 
     async def __call__(self, _dht, node) -> Verdict:
-        from diloco_swarm.averaging.averager import PseudoGradientAverager
-
         try:
             request = encode({"maddrs": self.maddrs})
         except Exception as e:
@@ -186,7 +188,7 @@ class AskDialBack:
         tried = []
         for peer in order[:MAX_RESPONDERS]:
             try:
-                stub = PseudoGradientAverager.get_stub(node.p2p, PeerID.from_base58(peer), namespace=self.prefix)
+                stub = self.servicer.get_stub(node.p2p, PeerID.from_base58(peer), namespace=self.prefix)
                 answer = await asyncio.wait_for(stub.rpc_check_reachability(request), timeout=REQUEST_TIMEOUT_S)
                 reachable, reason = decode_verdict(answer)
             except Exception as e:
@@ -198,9 +200,10 @@ class AskDialBack:
         return Verdict(None, reason="; ".join(tried) or "no public peer to ask")
 
 
-def check_reachability(dht, prefix: str, candidates: Sequence[str], maddrs: Sequence[str],
-                       stop: threading.Event | None = None) -> Verdict:
-    """Ask public peers (peer ids in ``candidates``) of run ``prefix`` to dial ``maddrs`` back.
+def check_reachability(dht, servicer: type[ServicerBase], prefix: str, candidates: Sequence[str],
+                       maddrs: Sequence[str], stop: threading.Event | None = None) -> Verdict:
+    """Ask public peers (peer ids in ``candidates``) of run ``prefix`` to dial ``maddrs`` back through
+    the ``rpc_check_reachability`` of their ``servicer`` (the averager class, ``PseudoGradientAverager``).
 
     Blocks at most about ``MAX_RESPONDERS * REQUEST_TIMEOUT_S`` seconds (bounded even if the DHT
     process dies), less when ``stop`` is set. Never raises for network trouble: an inconclusive
@@ -209,7 +212,7 @@ def check_reachability(dht, prefix: str, candidates: Sequence[str], maddrs: Sequ
     if not candidates or not maddrs:
         return Verdict(None, reason="no public peer to ask" if maddrs else "no TCP listen address")
     try:
-        return dht_run(dht, AskDialBack(prefix, candidates, maddrs), timeout=MAX_RESPONDERS * REQUEST_TIMEOUT_S + 10,
-                       what="reachability check", stop=stop)
+        return dht_run(dht, AskDialBack(servicer, prefix, candidates, maddrs),
+                       timeout=MAX_RESPONDERS * REQUEST_TIMEOUT_S + 10, what="reachability check", stop=stop)
     except Exception as e:
         return Verdict(None, reason=f"{type(e).__name__}: {e}"[:200])

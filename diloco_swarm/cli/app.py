@@ -17,9 +17,12 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
+from diloco_swarm.cli.common import USAGE_ERROR, err, fail, require_finite, require_node
+from diloco_swarm.cli.dashboard import dashboard
+from diloco_swarm.cli.probe import probe
+from diloco_swarm.cli.status import status
 from diloco_swarm.cli.text import DEFAULT_RUN_ID, printable
 from diloco_swarm.node.inner import INNER_OPTIMIZERS
 
@@ -57,9 +60,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-err = Console(stderr=True, highlight=False)
-
-USAGE_ERROR = 2
 
 
 class Device(str, Enum):
@@ -87,49 +87,6 @@ FAULT_NAMES = ("", "nan", "huge", "stall-allreduce", "withhold-digest", "claim-a
 class SyncMode(str, Enum):
     overlap = "overlap"
     blocking = "blocking"
-
-
-def fail(message: str, code: int = USAGE_ERROR) -> "typer.Exit":
-    """Print ``error: message`` as one line on stderr; return the ``typer.Exit`` to raise."""
-    # paths, globs and peer errors may hold newlines, terminal escapes or [brackets]
-    one_line = " ".join(printable(message).split())
-    err.print(f"[bold red]error:[/] {escape(one_line)}", soft_wrap=True)
-    return typer.Exit(code)
-
-
-def require_finite(**flags: float) -> None:
-    """Refuse an ``inf`` or ``nan`` value of a float flag (click's ranges let ``inf`` through, and a
-    timeout or an interval of ``inf`` would make a call unbounded). Keyword names are the flags' names.
-
-    :raises typer.Exit: code 2, after one ``error:`` line naming the flag.
-    """
-    for name, value in flags.items():
-        if not math.isfinite(value):
-            raise fail(f"--{name.replace('_', '-')} must be a finite number, got {value}")
-
-
-NODE_MODULES = ("torch", "hivemind")  # the [node] extra (pyproject.toml)
-
-
-def node_missing() -> str | None:
-    """The first training-node module this install lacks (the ``[node]`` extra), or None; imports nothing."""
-    import importlib.util
-
-    for module in NODE_MODULES:
-        try:
-            if importlib.util.find_spec(module) is None:
-                return module
-        except (ImportError, ValueError):
-            return module
-    return None
-
-
-def require_node(command: str) -> None:
-    """Exit 2 with an install hint when ``command`` (join, demo) cannot train on this install."""
-    missing = node_missing()
-    if missing is not None:
-        raise fail(f"`diloco-node {command}` trains a model and needs the node extra ({missing} is not installed): "
-                   "pip install 'diloco-swarm[node]'  (status, dashboard and probe work without it)")
 
 
 SWARM = "Swarm"
@@ -473,10 +430,7 @@ def main() -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
-from diloco_swarm.cli.status import status  # noqa: E402
-from diloco_swarm.cli.dashboard import dashboard  # noqa: E402
-from diloco_swarm.cli.probe import probe  # noqa: E402
-
+# the commands that read a swarm (status, dashboard, probe) live in modules of their own
 app.command()(status)
 app.command()(dashboard)
 app.command()(probe)

@@ -12,7 +12,8 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from diloco_swarm.cli.status import LIGHT_HELP
+from diloco_swarm.cli.common import fail, require_finite
+from diloco_swarm.cli.status import LIGHT_HELP, open_reader, parse_peers, reader_message, use_light
 from diloco_swarm.cli.text import DEFAULT_RUN_ID
 
 
@@ -56,8 +57,6 @@ def dashboard(
 
     Joins the DHT as a client and reads the peers' signed records every few seconds. Also serves /api/v1/state (JSON, see docs/dashboard.md) and /metrics (Prometheus). Ctrl+C stops it; the chart history is saved in --state-dir.
     """
-    from diloco_swarm.cli.app import fail, require_finite
-    from diloco_swarm.cli.status import open_reader, parse_peers, reader_message, use_light
     from diloco_swarm.spec import run_id_problem
     from diloco_swarm.utils.net import port_problem
 

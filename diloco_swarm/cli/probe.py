@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from diloco_swarm.cli.common import fail
 from diloco_swarm.cli.text import printable
 
 PROBE_TIMEOUT_S = 5.0
@@ -25,7 +26,6 @@ def probe(
 
     Exit code 0 when the peer answered, 1 when it did not within --timeout, 2 on bad input.
     """
-    from diloco_swarm.cli.app import fail
     from diloco_swarm.light.client import LightError
     from diloco_swarm.light.reader import probe as run_probe
     from diloco_swarm.spec import run_id_problem

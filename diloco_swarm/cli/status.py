@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from diloco_swarm.cli.common import fail, node_missing, require_finite
 from diloco_swarm.cli.text import DEFAULT_RUN_ID, printable
 
 STALE_AFTER_S = 20.0
@@ -58,8 +59,6 @@ LIGHT_HELP = ("Read the swarm with the py-libp2p light client (no hivemind, no G
 
 def use_light(light: bool) -> bool:
     """The light client when asked, or when this install lacks the training node (the [node] extra)."""
-    from diloco_swarm.cli.app import node_missing
-
     return light or node_missing() is not None
 
 
@@ -247,7 +246,6 @@ def status(
 
     Joins the DHT as a client (it never trains and accepts no connections), reads every peer's signed record, prints, and leaves. Exit code 0 even when no peer is found; 2 on errors.
     """
-    from diloco_swarm.cli.app import fail, require_finite
     from diloco_swarm.spec import run_id_problem
     from diloco_swarm.dashboard.state import summarize
 

@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+from diloco_swarm.utils.signals import STOP_SIGNALS
 
 
 def _leave(signum, frame) -> None:

@@ -285,7 +285,7 @@ class Startup:
     def _detect_reachability(self) -> str:
         """Ask a public peer to dial us back (averaging/reachability.py) unless --client-mode or
         --public decided it. :returns: "reachable", "unreachable" or "unknown"; sets ``reachability``."""
-        from diloco_swarm.averaging.averager import state_donors
+        from diloco_swarm.averaging.averager import PseudoGradientAverager, state_donors
         from diloco_swarm.averaging.reachability import check_reachability, transport_addrs
         from diloco_swarm.dht.swarm import peer_ids_of, visible_maddrs
 
@@ -308,7 +308,8 @@ class Startup:
         maddrs = transport_addrs(visible_maddrs(self.dht))
         of_this_run = [p for p in state_donors(self.dht, self.spec.run_id) if p != self.peer_id]
         candidates = of_this_run + [p for p in peer_ids_of(cfg.initial_peers) if p not in of_this_run and p != self.peer_id]
-        verdict = check_reachability(self.dht, self.spec.run_id, candidates, maddrs, stop=self.stop.event)
+        verdict = check_reachability(self.dht, PseudoGradientAverager, self.spec.run_id, candidates, maddrs,
+                                     stop=self.stop.event)
         self.metrics.write({"event": "reachability", "peer_id": self.peer_id, "reachable": verdict.reachable,
                             "responder": verdict.responder, "reason": verdict.reason, "maddrs": maddrs})
         if verdict.reachable is True:

@@ -80,6 +80,8 @@ import tempfile
 import time
 import traceback
 
+from diloco_swarm.utils.signals import STOP_SIGNALS
+
 _live_tasks: set[asyncio.Task] = set()
 # between two DHT reads of the group key by one averager; DILOCO_GROUP_POLL_S=0 restores hivemind's
 # unpaced polling (bench/idle.py measures both)
@@ -358,8 +360,6 @@ def _start_shm_manager_sheltered() -> None:
     import threading
 
     import torch.multiprocessing
-
-    from diloco_swarm.node.signals import STOP_SIGNALS
 
     if threading.current_thread() is not threading.main_thread():
         return
