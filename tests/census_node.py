@@ -4,7 +4,9 @@ The node is the product's, subclassed (faults and probes live in the tests): aft
 round, while a checkpoint is written and when it serves a donation, it lists every tensor of
 the process (``gc``), keeps one per storage (shared storages and views count once, by data pointer),
 and appends ``{"at", "outer_step", "params", "bytes", "tensors"}`` to ``$CENSUS_FILE`` (JSON Lines).
-The averager's shared buffers are counted too: they are mapped in this process.
+The averager's shared buffers are counted too: they are mapped in this process. Right after it adopts
+a downloaded state, it also records ``averager_shm_bytes``: the shared memory its averager process
+still maps (the download came through it).
 """
 
 from __future__ import annotations
@@ -40,6 +42,17 @@ def held_storages() -> tuple[int, int]:
     return sum(seen.values()), len(seen)
 
 
+def shm_mapped(pid: int) -> int:
+    """Bytes of torch's shared-memory files (``/dev/shm/torch_*``) mapped by process ``pid``."""
+    total = 0
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and "/torch_" in fields[5]:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            total += end - start
+    return total
+
+
 class CensusNode(Node):
     def _census(self, at: str) -> None:
         with _lock:
@@ -55,6 +68,15 @@ class CensusNode(Node):
     def _store_checkpoint(self, state) -> None:
         self._census("checkpoint")  # (on the checkpoint thread, training going on meanwhile)
         super()._store_checkpoint(state)
+
+    def _adopt_state(self, state, *args, **kwargs) -> None:
+        super()._adopt_state(state, *args, **kwargs)
+        del state
+        with _lock:
+            with open(os.environ["CENSUS_FILE"], "a") as f:
+                f.write(json.dumps({"at": "download", "outer_step": self.outer_step,
+                                    "averager_shm_bytes": shm_mapped(self.averager.pid),
+                                    "params": sum(p.numel() for p in self.params)}) + "\n")
 
     def _state_for_donation(self):
         served = super()._state_for_donation()

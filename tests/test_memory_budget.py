@@ -46,8 +46,13 @@ def test_a_node_holds_its_budget_after_rounds_checkpoints_and_a_donation(tmp_pat
         assert b.events("state_sync"), "b downloaded no state: the donation was not measured"
         assert any(e.get("round_ok") for node in (a, b) for e in node.outer_steps()), \
             "no verified round: the averaging was not measured"
+    downloads = [json.loads(line) for line in census["b"].read_text().splitlines() if '"download"' in line]
+    assert downloads, "b recorded no download"
+    for line in downloads:  # the averaged buffers (4 B/param), not the state it passed on (8 more)
+        assert line["averager_shm_bytes"] / line["params"] <= 4 + SLACK_B, \
+            f"b's averager process still maps {line['averager_shm_bytes'] / line['params']:.1f} B/param after the download"
     for name, f in census.items():
-        lines = [json.loads(line) for line in f.read_text().splitlines()]
+        lines = [json.loads(line) for line in f.read_text().splitlines() if '"download"' not in line]
         assert {"round", "checkpoint"} <= {line["at"] for line in lines}, f"{name}: census points {lines}"
         for line in lines:
             per_param = line["bytes"] / line["params"]

@@ -54,7 +54,7 @@ from diloco_swarm.averaging.grouping import grid_group_quorum, is_count, majorit
 from diloco_swarm.averaging.mixing import mixing_group_id
 from diloco_swarm.averaging.reachability import Responder
 from diloco_swarm.dht.calls import ChildGone, ChildUnavailable, bounded, dht_get, dht_store
-from diloco_swarm.utils.hivemind_fixes import keep_task_alive
+from diloco_swarm.utils.hivemind_fixes import keep_task_alive, send_result
 
 logger = get_logger(__name__)
 
@@ -631,7 +631,7 @@ class PseudoGradientAverager(DecentralizedAverager):
                     tensors.append(_tensor_from_parts(parts))
                 return metadata, tensors, received
 
-            future.set_result(await asyncio.wait_for(fetch(), timeout=4 * timeout))
+            send_result(future, await asyncio.wait_for(fetch(), timeout=4 * timeout))
         except BaseException as e:
             if not future.done():
                 future.set_exception(RuntimeError(_short_reason(e) if str(e) else type(e).__name__))
