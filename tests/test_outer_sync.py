@@ -296,7 +296,7 @@ def bare_node(events, overlap=True):
     node.params, node.outer, node.sync, node.stats = params, outer, sync, NodeStats()
     node.cfg, node._state_lock = SimpleNamespace(debug_dump_rounds=None), threading.Lock()
     node.outer_step, node._carried, node.records = 0, None, []
-    node.history = ThetaHistory()
+    node.history, node.averager = ThetaHistory(), None
     node._global_digest = lambda: f"step {node.outer_step}"
     node._after_round = lambda h, result, step, during, late=False: node.records.append((step, late, h.tokens))
     return node

@@ -54,63 +54,92 @@ def _tensors_of(messages) -> list[torch.Tensor]:
     return tensors + [_tensor_from_parts(parts)]
 
 
+def _sealed(outer):
+    from diloco_swarm.averaging.donation import StateSeal
+
+    return outer.theta + outer.momentum_buffers(), StateSeal(outer.generation, int(outer.generation.item()))
+
+
 def test_a_donation_streams_the_live_state_exactly_and_counts_itself():
     import asyncio
 
     from hivemind.compression import NoCompression
 
-    from diloco_swarm.averaging.donation import StateSeal, stream_state
+    from diloco_swarm.averaging.donation import Donations
 
-    outer = _donor()
-    live = outer.theta + outer.momentum_buffers()
+    outer, donations = _donor(), Donations()
+    live, seal = _sealed(outer)
     assert all(t.is_shared() for t in [*live, outer.generation]), "the averager process maps them: shared memory"
-    donations = torch.zeros(1, dtype=torch.int64)
-    seal = StateSeal(outer.generation, int(outer.generation.item()))
 
     async def run():
         messages = []
-        async for message in stream_state(b"meta", live, seal, NoCompression(), donations):
-            assert donations.item() == 1, "a stream in flight is counted (the node holds its apply back meanwhile)"
+        async for message in donations.stream(b"meta", live, seal, NoCompression()):
+            assert donations.streaming(), "a stream in flight is counted (the node holds its apply back meanwhile)"
             messages.append(message)
         return messages
 
     messages = asyncio.run(run())
     assert messages[0].metadata == b"meta" and not any(m.metadata for m in messages[1:])
-    assert donations.item() == 0
+    assert not donations.streaming()
     tensors = _tensors_of(messages)
     assert len(tensors) == len(live)
     assert all(torch.equal(t, l) for t, l in zip(tensors, live))
+    assert donations.freeze(int(outer.generation.item()), timeout=0.1), "nothing streams: no copy to wait for"
 
 
-def test_a_write_while_the_state_streams_ends_the_stream_before_a_torn_tensor_is_sent():
+def test_an_outer_step_while_the_state_streams_goes_on_from_a_frozen_copy():
+    """A home uplink sends a state for longer than a phase lasts: the donor's next outer step must not
+    cut the stream, nor tear what it sends."""
     import asyncio
 
     from hivemind.compression import NoCompression
 
-    from diloco_swarm.averaging.donation import StateSeal, TornState, stream_state
+    from diloco_swarm.averaging.donation import Donations
 
-    outer = _donor(1)
-    live = outer.theta + outer.momentum_buffers()
-    donations = torch.zeros(1, dtype=torch.int64)
-    seal = StateSeal(outer.generation, int(outer.generation.item()))
+    outer, donations = _donor(1), Donations()
+    live, seal = _sealed(outer)
+    before = [t.clone() for t in live]
+
+    async def run():
+        messages = []
+        async for message in donations.stream(b"meta", live, seal, NoCompression()):
+            messages.append(message)
+            if len(messages) == 1:  # the first tensor is out: the donor's outer step comes now
+                assert await asyncio.to_thread(donations.freeze, seal.at, 5.0)
+                outer.step([torch.ones_like(t) for t in outer.theta])
+        return messages
+
+    tensors = _tensors_of(asyncio.run(run()))
+    assert not torch.equal(live[0], before[0]), "the outer step was applied meanwhile"
+    assert len(tensors) == len(before) and all(torch.equal(t, b) for t, b in zip(tensors, before)), \
+        "the joiner got the state of one outer step, the one its stream began with"
+    assert not donations._frozen, "the copy lives only while its streams do"
+
+
+def test_a_write_without_a_frozen_copy_ends_the_stream_before_a_torn_tensor_is_sent():
+    import asyncio
+
+    from hivemind.compression import NoCompression
+
+    from diloco_swarm.averaging.donation import Donations, TornState
+
+    outer, donations = _donor(2), Donations()
+    live, seal = _sealed(outer)
     before = [t.clone() for t in live]
 
     async def run():
         sent = []
-        stream = stream_state(b"meta", live, seal, NoCompression(), donations)
         with pytest.raises(TornState, match="changed while its state streamed"):
-            async for message in stream:
+            async for message in donations.stream(b"meta", live, seal, NoCompression()):
                 sent.append(message)
-                if len(sent) == 1:  # the first tensor is out: an outer step lands now
+                if len(sent) == 1:  # a write that did not wait for the averager's copy
                     outer.step([torch.ones_like(t) for t in outer.theta])
         return sent
 
     sent = asyncio.run(run())
-    assert donations.item() == 0
-    # what was sent is the state before the step, and nothing of it after
+    assert not donations.streaming()
     assert [t.shape for t in _tensors_of(sent)] == [before[0].shape]
     assert torch.equal(_tensors_of(sent)[0], before[0])
-    assert not torch.equal(live[0], before[0])
 
 
 def test_the_outer_state_stays_shared_and_counts_writes_through_steps_loads_and_checkpoints():
@@ -129,3 +158,48 @@ def test_the_outer_state_stays_shared_and_counts_writes_through_steps_loads_and_
     generation = int(outer.generation.item())
     outer.load_tensor(1, outer.theta[1] + 1, buffers[1])
     assert outer.generation.item() > generation
+
+
+def _stream_in_child(donations, live, seal, first_out, written, results) -> None:
+    import asyncio
+
+    from hivemind.compression import NoCompression
+
+    async def run():
+        messages = []
+        async for message in donations.stream(b"meta", live, seal, NoCompression()):
+            messages.append(message)
+            if len(messages) == 1:
+                first_out.set()
+                await asyncio.to_thread(written.wait, 30)  # our loop keeps answering freeze requests meanwhile
+        return messages
+
+    results.put([t.clone().share_memory_() for t in _tensors_of(asyncio.run(run()))])
+
+
+def test_the_freeze_works_across_processes_as_between_the_node_and_its_averager():
+    import multiprocessing as mp
+
+    from diloco_swarm.averaging.donation import Donations
+
+    ctx = mp.get_context("fork")  # as hivemind forks the averager process
+    outer, donations = _donor(3), Donations()
+    live, seal = _sealed(outer)
+    before = [t.clone() for t in live]
+    first_out, written, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=_stream_in_child, args=(donations, live, seal, first_out, written, results))
+    child.start()
+    try:
+        assert first_out.wait(30), "the stream did not start"
+        assert donations.streaming()
+        assert donations.freeze(seal.at, timeout=10.0), "the averager's copy did not come"
+        outer.step([torch.ones_like(t) for t in outer.theta])
+        written.set()
+        tensors = results.get(timeout=30)
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before))
+    assert not torch.equal(outer.theta[0], before[0])

@@ -49,7 +49,7 @@ from diloco_swarm.averaging.allreduce import (
 )
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S, FAILED_MARK, OutcomeBoard, ask_outcomes, valid_outcome
-from diloco_swarm.averaging.donation import StateSeal, stream_state
+from diloco_swarm.averaging.donation import Donations, StateSeal
 from diloco_swarm.averaging.grouping import grid_group_quorum, is_count, majority_quorum, step_quorum_problem
 from diloco_swarm.averaging.mixing import mixing_group_id
 from diloco_swarm.averaging.reachability import Responder
@@ -223,7 +223,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         # [round token, tensors of this round's average written so far]: the token is the node's (one
         # per use of the buffers), the count the averager process's, as the all-gather delivers them
         self._arrivals = torch.zeros(2, dtype=torch.int64).share_memory_()
-        self._donations = torch.zeros(1, dtype=torch.int64).share_memory_()  # state streams in flight (donation.py)
+        self._donations = Donations()  # our state streamed to joiners (donation.py), counted in shared memory
         # hivemind's run_in_background() sets SIGINT to SIG_IGN in *our* process (meaning the
         # child); keep the child's SIG_IGN but give the caller its Ctrl+C handler back.
         previous_sigint = signal.getsignal(signal.SIGINT)
@@ -642,7 +642,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         if not self.allow_state_sharing:
             return  # hivemind's refusal: the asker tries another donor
         metadata, tensors, seal = await self._get_current_state_from_host_process()
-        async for message in stream_state(metadata, tensors, seal, self.state_compression, self._donations):
+        async for message in self._donations.stream(metadata, tensors, seal, self.state_compression):
             yield message
 
     # --- runs in the caller's process -------------------------------------------------
@@ -655,7 +655,13 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     def donating(self) -> bool:
         """Whether a state donation is streaming now (from the averager process)."""
-        return bool(self._donations.item())
+        return self._donations.streaming()
+
+    def freeze_donations(self, generation: int, timeout: float) -> bool:
+        """Before the node writes its state of write ``generation``: the donations streaming it go on
+        from a copy the averager process makes (donation.py). :returns: False when that took longer
+        than ``timeout`` seconds (such a stream ends torn)."""
+        return self._donations.freeze(generation, timeout)
 
     def donors(self) -> dict[str, float]:
         """Peers that share their state, with their priority (= their outer step): ``{peer_id: step}``."""

@@ -142,6 +142,7 @@ class Mixing:
         """θ_global, outer momentum and outer step ← the mixed state (training thread); θ_local keeps
         its progress since the hand-off (the mix holds this round's Δ̄, our Δ in it)."""
         with self._state_lock:
+            self._before_state_write()
             self._remember_theta()
             self.sync.adopt(mixed.theta, mixed.momentum, handoff.delta, estimate, carry=False)
             self.outer_step = mixed.outer_step

@@ -346,8 +346,8 @@ class Node(Startup, StateSync, Mixing):
             self.stats.inner_s += time.monotonic() - t0
             if self.sync.in_flight and not self.sync.done():
                 self._preview_arrived()
-            # a round that has ended waits while a donation streams our θ_global (no snapshot of it is
-            # made, averaging/donation.py), until the phase has its steps
+            # a round that has ended waits while a donation streams our θ_global, until the phase has
+            # its steps: applying it would first have the averager process copy the state (donation.py)
             if self.sync.done() and (steps >= target or not self.averager.donating()):
                 syncs = self.stats.state_syncs
                 self._apply_round(during_inner_step=steps)
@@ -794,6 +794,7 @@ class Node(Startup, StateSync, Mixing):
                 self.stats.wasted_inner_s += handoff.work_s  # replaced by a state that may not include it
         elif kept or not carry:
             with self._state_lock:  # a verified average, or our own Δ (alone, unconfirmed, or late too long)
+                self._before_state_write()
                 self._remember_theta()
                 self.sync.apply(outcome.average, estimate)
                 self.outer_step += 1

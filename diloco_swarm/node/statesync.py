@@ -4,7 +4,7 @@
 - **Reconcile**: after a round, the members that started it from a θ_global other than the
   canonical one download the canonical state, and a peer more than one outer step behind the
   swarm downloads the newest (`_reconcile`, on the averaging thread; the training thread adopts it).
-- **Donation**: this peer serves its live state, sealed against a write meanwhile (`_state_for_donation`).
+- **Donation**: this peer serves its live state, copied only before a write meanwhile (`_state_for_donation`).
 
 A mixin of :class:`diloco_swarm.node.runner.Node`: it uses the node's θ_global (``outer``),
 averager, run spec, lock and reports. Every payload comes from an untrusted peer and is checked
@@ -27,6 +27,7 @@ from diloco_swarm.node.redial import dial_peers
 
 MAX_DONOR_TRIES = 4
 STATE_CHUNK_TIMEOUT_S = 10.0
+FREEZE_WAIT_S = 10.0  # for the averager process to copy a state it is donating, before we write ours
 EVIDENCE_QUORUM = 2  # distinct signing keys whose records must back a claim before a peer acts on it
 EVIDENCE_RETRY_S = 0.5  # a fresh round's output may take a moment to reach its members' records
 FINISH_LINGER_S = 120.0  # at --max-outer-steps, a node serves its state this long at most to peers still behind
@@ -133,8 +134,8 @@ class StateSync:
 
     def _state_for_donation(self) -> tuple[dict[str, Any], list[torch.Tensor], StateSeal]:
         """(metadata, the live θ_global + outer momentum tensors, their seal), read under the state
-        lock: the averager process streams them as they are and stops if the seal breaks
-        (averaging/donation.py), so no copy of the state is made.
+        lock: the averager process streams them as they are, and copies them only when we are about
+        to write them (:meth:`_before_state_write`, averaging/donation.py).
         :raises RuntimeError: the training state is not built yet (start-up): the asker tries another donor."""
         if getattr(self, "outer", None) is None:
             raise RuntimeError("this peer is still starting up")
@@ -143,6 +144,14 @@ class StateSync:
             meta = {"outer_step": self.outer_step, "spec_hash": self.spec.spec_hash(),
                     "theta_digest": self._global_digest(), "peer_id": self.peer_id}
             return meta, self.outer.theta + self.outer.momentum_buffers(), seal
+
+    def _before_state_write(self) -> None:
+        """Under the state lock, right before θ_global or the momentum change: a donation streaming
+        them goes on from a copy the averager process makes first (averaging/donation.py); past
+        :data:`FREEZE_WAIT_S` the write goes ahead and such a stream ends (the asker tries again)."""
+        if self.averager is not None and self.averager.donating():
+            if not self.averager.freeze_donations(int(self.outer.generation.item()), timeout=FREEZE_WAIT_S):
+                self.status.log("a state donation in progress was cut: the averager did not copy the state in time")
 
     def _check_state(self, meta: Any, tensors: list[torch.Tensor], min_step: int) -> str | None:
         """Why a downloaded state is unusable, or None. The donor is untrusted."""
@@ -443,6 +452,7 @@ class StateSync:
         keeps its progress since the hand-off, and the hand-off's Δ when ``carry``."""
         n = len(self.outer.theta)
         with self._state_lock:
+            self._before_state_write()
             before = self.outer_step
             self._remember_theta()
             if handoff is None:
