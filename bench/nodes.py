@@ -25,6 +25,8 @@ from bench.procs import cpu_seconds, process_tree, pss_bytes
 from diloco_swarm.node.report import read_metrics
 
 START_TIMEOUT_S = 300.0  # torch + hivemind imports and the dataset on a busy 2-core machine
+NODE = ["-m", "diloco_swarm"]
+FAULTY_NODE = ["-m", "tests.faults"]  # diloco-node with `--fault NAME[=VALUE]` (tests/faults.py; run from REPO)
 
 
 @dataclass
@@ -37,6 +39,7 @@ class NodeSpec:
     prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", NS]
     host: str = "127.0.0.1"
     join_after_step: int = 0  # a joiner starts once the first node applied this outer step (a state download)
+    entry: list[str] = field(default_factory=lambda: list(NODE))  # what python runs: NODE or FAULTY_NODE
 
 
 @dataclass
@@ -92,7 +95,7 @@ def run_nodes(specs: list[NodeSpec], workdir: Path, timeout: float, env: dict[st
 
     def start(r: NodeRun, initial: str | None) -> None:
         s = r.spec
-        cmd = [*s.prefix, sys.executable, "-m", "diloco_swarm", "join", "--run-id", s.run_id, "--host", s.host,
+        cmd = [*s.prefix, sys.executable, *s.entry, "join", "--run-id", s.run_id, "--host", s.host,
                "--port", "0", *s.args, "--state-dir", str(workdir / f"state-{s.name}"),
                "--metrics-file", str(r.metrics), *(["--initial-peers", initial] if initial else [])]
         log = open(r.log, "w")

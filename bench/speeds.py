@@ -3,8 +3,8 @@
 Two runs of 3 real ``diloco-node join`` processes on 127.0.0.1 in one invocation, overlapped
 rounds (the default sync mode):
 
-- ``mixed``: peer 2 runs with the hidden ``--slowdown 3`` (each inner step takes 3× as long: a slower
-  machine; node/faults.py), so it trains about ⅓ of the others' tokens per second;
+- ``mixed``: peer 2 is the tests' faulty node with ``--fault slowdown=3`` (each inner step takes 3× as
+  long: a slower machine; tests/faults.py), so it trains about ⅓ of the others' tokens per second;
 - ``equal``: the same 3 peers, none slowed.
 
 Reported per peer: inner steps per outer step (the ``inner_steps`` field of its records: DyLU-sized,
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import DEFAULT_OUT, loadavg, md_table
-from bench.nodes import NodeSpec, keep_logs, round_key, run_nodes
+from bench.nodes import FAULTY_NODE, NodeSpec, keep_logs, round_key, run_nodes
 
 SLOWDOWN = 3.0
 PEERS = 3
@@ -119,9 +119,10 @@ def run_variant(cfg: dict[str, Any], label: str, tag: str) -> dict[str, Any]:
     print(f"[speeds] {label}: load average at start {load}", file=sys.stderr, flush=True)
     t0 = time.time()
     try:
-        specs = [NodeSpec(f"peer-{i}", f"bench-speeds-{tag}-{label}",
-                          [*node_args(cfg), *(["--slowdown", str(SLOWDOWN)] if i == slow else [])])
-                 for i in range(PEERS)]
+        specs = [NodeSpec(f"peer-{i}", f"bench-speeds-{tag}-{label}", node_args(cfg)) for i in range(PEERS)]
+        if slow is not None:
+            specs[slow].args += ["--fault", f"slowdown={SLOWDOWN:g}"]
+            specs[slow].entry = FAULTY_NODE
         runs = run_nodes(specs, workdir, cfg["timeout"], log_tag=f"[speeds {label}] ")
         out = analyse(runs, slow)
     finally:
@@ -168,7 +169,7 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
     m, e = result["variants"]["mixed"], result["variants"]["equal"]
     md = [
         f"{PEERS} `diloco-node join` processes on 127.0.0.1, overlapped rounds, two runs in one invocation: **mixed** "
-        f"(peer {PEERS - 1} runs with the hidden `--slowdown {result['slowdown']:g}`: each inner step takes "
+        f"(peer {PEERS - 1} runs with `--fault slowdown={result['slowdown']:g}`, tests/faults.py: each inner step takes "
         f"{result['slowdown']:g}× as long) and **equal** (nobody slowed). Model `{cfg['model']}`, nominal H = "
         f"{cfg['H']} (DyLU range H/4 .. 2H), seq_len {cfg['seq_len']}, batch {cfg['batch']}, int8, "
         f"{cfg['outer_steps']} outer steps, matchmaking {result['matchmaking_time']} s, `--threads 1` each.\n",

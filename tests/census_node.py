@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from diloco_swarm.node import faults  # noqa: E402
+from diloco_swarm.node import runner  # noqa: E402
 from diloco_swarm.node.runner import Node  # noqa: E402
 
 _lock = threading.Lock()
@@ -85,7 +85,7 @@ class CensusNode(Node):
 
 
 if __name__ == "__main__":
-    faults.node_type = lambda fault, slowdown: CensusNode
+    runner.Node = CensusNode  # `diloco-node join` imports its node class from there as it starts the node
     from diloco_swarm.cli import main
 
     sys.argv = ["diloco-node", *sys.argv[1:]]

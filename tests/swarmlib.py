@@ -17,6 +17,8 @@ from bench.nodes import theta_by_step as records_theta_by_step
 from bench.procs import process_tree
 from diloco_swarm.node.report import read_metrics
 
+FAULTY_NODE = [str(Path(__file__).resolve().parent / "faults.py")]  # what a node with --fault runs (tests/faults.py)
+
 # Small and fast: tiny model, short sequences, a 300 KB slice of the standard library.
 FAST_ARGS = [
     "--host", "127.0.0.1",
@@ -79,13 +81,16 @@ class Swarm:
         :param session: start it in its own session and process group (pid = group id), as a shell
             or a service manager does, so a test can signal its whole group (``os.killpg``).
         :param entry: what python runs instead of ``-m diloco_swarm`` (a test's node subclass, e.g.
-            ``[path of tests/census_node.py]``); the same arguments follow.
+            ``[path of tests/census_node.py]``); the same arguments follow. A node given ``--fault``
+            (here or in the swarm's ``extra``) runs tests/faults.py, the faulty node, unless told otherwise.
         """
         node = self.nodes.get(name)
         if node is None:
             d = self.root / name
             node = NodeProc(name, d, d / "metrics.jsonl", self.root / f"{name}.log", [])
             self.nodes[name] = node
+        if entry is None and "--fault" in (*self.extra, *args):
+            entry = FAULTY_NODE
         cmd = [*(wrap or []), sys.executable, *(entry or ["-m", "diloco_swarm"]), "join", "--run-id", self.run_id, *FAST_ARGS, *self.extra,
                "--state-dir", str(node.state_dir), "--metrics-file", str(node.metrics), "--port", "0", *args]
         if initial is not None:

@@ -234,12 +234,12 @@ def test_bad_block_scales_raise(good, bad_scale):
 
 
 def test_injected_nan_scales_are_refused_by_the_receiver():
-    """The ``--fault nan`` codec (node/faults.py) sends parts that every receiver refuses."""
+    """The ``--fault nan`` codec (tests/faults.py) sends parts that every receiver refuses."""
     from hivemind.compression import CompressionInfo
 
-    from diloco_swarm.node.faults import _nonfinite_scales_averager
+    from faults import NonFiniteScalesCodec
 
-    faulty = _nonfinite_scales_averager().compressions["int8"]()
+    faulty = NonFiniteScalesCodec()
     values = gaussian(3000)
     message = faulty.compress(values, CompressionInfo.from_tensor(values))
     with pytest.raises(CodecError, match="scales"):

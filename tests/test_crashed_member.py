@@ -216,7 +216,10 @@ def _stall_then_crash_round(tmp_path):
             yield  # (an async generator)
 
     class Stalling(PseudoGradientAverager):
-        allreduce_runner_type = StallingRunner
+        async def _run_consensus(self, runner_type, *args, **kwargs):
+            if runner_type is ConsensusAllReduceRunner:  # the round's all-reduce
+                runner_type = StallingRunner
+            await super()._run_consensus(runner_type, *args, **kwargs)
 
     Stalling.__name__ = Stalling.__qualname__ = PseudoGradientAverager.__name__  # RPC names follow it
     with _peers(3) as (dhts, averagers):

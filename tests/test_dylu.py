@@ -196,7 +196,6 @@ def test_a_pair_planned_as_one_group_beyond_the_cap_checks_whether_it_is_ahead()
     p, waits, control = _rounder(records, plan, set())
     p.averager.average = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("stop here"))
     p._round_metadata = lambda handoff: {}
-    p._contribution = lambda delta: delta
     p.history, p._history_floor = SimpleNamespace(resize=lambda n: None), 0
     p.stats = SimpleNamespace(averaging_round=None)
     try:

@@ -1,6 +1,6 @@
 """No single peer decides the swarm's state: a peer that claims a far newer outer step is not followed.
 
-The hostile peer (hidden ``--fault claim-ahead``, node/faults.py) states an outer step 1000 ahead of
+The hostile peer (``--fault claim-ahead``, tests/faults.py) states an outer step 1000 ahead of
 its own in its round metadata, its state donations, its signed record and its donor priority,
 with its real θ_global: what a forged "newest model" looks like to the others. Honest peers adopt a
 state only when other peers' signed records support it (node/statesync.py).
@@ -56,7 +56,7 @@ def test_a_peer_claiming_a_far_newer_state_is_not_followed(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_members_stop_joining_a_peer_that_drops_their_parts(tmp_path):
-    """A hostile reducer refuses every honest member's part (hidden ``--fault drop-part``). The members
+    """A hostile reducer refuses every honest member's part (``--fault drop-part``). The members
     learn it from its refusal of their valid parts, and neither join its groups nor let it join theirs."""
     with Swarm(tmp_path, "dropper", extra=["--wait-for-peers", "3"]) as swarm:
         a = swarm.start("a", timeout=START_S)

@@ -402,31 +402,6 @@ def test_one_round_at_a_time():
         sync.take(timeout=0)
 
 
-def test_the_cli_knows_every_fault():
-    """The CLI checks --fault before importing torch: its list must be node/faults.py's."""
-    from diloco_swarm.cli.app import FAULT_NAMES
-    from diloco_swarm.node.faults import FAULTS
-
-    assert FAULT_NAMES == ("", *FAULTS)
-
-
-def test_faulty_averagers_speak_the_honest_protocol():
-    """hivemind names RPC protocols after the servicer class: a faulty subclass must keep the name,
-    or honest peers would not even hear it (and the fault tests would test nothing)."""
-    from pathlib import Path
-
-    from diloco_swarm.averaging.averager import PseudoGradientAverager
-    from diloco_swarm.node import faults
-
-    honest = PseudoGradientAverager._get_handle_name("run", "rpc_join_group")
-    for make in (faults._nonfinite_scales_averager, faults._dropping_averager, faults._lonely_averager,
-                 lambda: faults._stalling_averager(Path("/nonexistent")),
-                 lambda: faults._withholding_averager(Path("/nonexistent"))):
-        cls = make()
-        assert issubclass(cls, PseudoGradientAverager) and cls is not PseudoGradientAverager
-        assert cls._get_handle_name("run", "rpc_join_group") == honest
-
-
 def test_a_mixed_state_is_adopted_with_its_outer_step_keeping_local_progress():
     """θ-mixing (node/mixing.py): the group's mixed θ_global, momentum and outer step replace ours;
     θ_local keeps the progress made since the hand-off; the earlier θ_global stays as a reference."""

@@ -4,9 +4,9 @@ One long-lived partner and one target node, each in its own session (as a shell 
 starts it). The target is stopped once per cell of the signal matrix and restarted with the same
 state dir; the restart is the proof that the checkpoint loads (its ``start`` event resumes from
 the checkpoint's outer step). Phases are recognised from the target's metrics events and from the
-test-only fault markers: ``--fault stall-allreduce`` (the target hangs inside an all-reduce) and
-``--fault withhold-digest`` on the partner (it confirms the average 10 s late, so the target
-waits in the digest cross-check).
+markers of the faulty nodes (tests/faults.py): ``--fault stall-allreduce`` (the target hangs inside
+an all-reduce) and ``--fault withhold-digest`` on the partner (it confirms the average 10 s late, so
+the target waits in the digest cross-check).
 
 The matrix is {SIGINT, SIGTERM} x {main process, process group} x {inner steps, matchmaking,
 all-reduce, cross-check}, covered pairwise (8 cells: every phase gets both signals and both

@@ -101,10 +101,10 @@ def test_six_peers_average_as_one_swarm_and_hold_one_model(tmp_path):
     """Issue 13: with the default group size, the 6 peers of a swarm never split into groups that
     each verify a round of the same outer step (a group must hold a strict majority of the online
     peers), so at every outer step all verified rounds produced one θ_global. One peer is 30%
-    slower (``--slowdown 1.3``): progress alignment waits for it instead of leaving it out."""
+    slower (``--fault slowdown=1.3``, tests/faults.py): progress alignment waits for it instead of leaving it out."""
     with Swarm(tmp_path, "swarm6", extra=["--max-outer-steps", "6", "--wait-for-peers", "6"]) as swarm:
         a = swarm.start("a")
-        others = [swarm.start(name, *(["--slowdown", "1.3"] if name == "slow" else []), initial=a, wait_start=False)
+        others = [swarm.start(name, *(["--fault", "slowdown=1.3"] if name == "slow" else []), initial=a, wait_start=False)
                   for name in ("b", "c", "d", "e", "slow")]
         nodes = (a, *others)
         for node in nodes:

@@ -181,10 +181,6 @@ class PseudoGradientAverager(DecentralizedAverager):
         multiple grows with the largest weight in the group over ours (``allreduce.allowed_scale``).
     """
 
-    compressions: dict[str, type[CompressionBase]] = COMPRESSIONS  # by --compression; faults.py swaps in broken ones
-    allreduce_runner_type: type[ConsensusAllReduceRunner] = ConsensusAllReduceRunner
-    mixing_runner_type: type[MixingAllReduceRunner] = MixingAllReduceRunner
-
     def __init__(
         self,
         tensors: Sequence[torch.Tensor],
@@ -205,7 +201,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         if compression not in COMPRESSIONS:
             raise ValueError(f"unknown compression {compression!r}; choose one of {', '.join(COMPRESSIONS)}")
         self.compression_name = compression
-        codec = type(self).compressions[compression]()
+        codec = COMPRESSIONS[compression]()
         self.max_norm_ratio = max_norm_ratio
         self._allreduce_timeout_s = float(allreduce_timeout)
         self._round_stats: dict[str, RoundStats] = {}
@@ -277,7 +273,7 @@ class PseudoGradientAverager(DecentralizedAverager):
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
         stats = self._round_stats[group_id.hex()] = RoundStats()
-        await self._run_consensus(self.allreduce_runner_type, tensors, group_info, group_id, stats, count=True,
+        await self._run_consensus(ConsensusAllReduceRunner, tensors, group_info, group_id, stats, count=True,
                                   **kwargs)
 
     async def _run_consensus(self, runner_type: type[ConsensusAllReduceRunner], tensors, group_info, group_id: bytes,
@@ -406,7 +402,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             stats = RoundStats()
             try:
                 await asyncio.wait_for(self._run_consensus(
-                    self.mixing_runner_type, tensors, group_info, mix_id, stats, planned_weights=planned_weights,
+                    MixingAllReduceRunner, tensors, group_info, mix_id, stats, planned_weights=planned_weights,
                     peer_fractions=fractions, weight=float(weight), **kwargs), timeout=self._allreduce_timeout_s)
             finally:
                 self._running_groups.pop(mix_id, None)

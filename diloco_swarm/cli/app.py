@@ -80,8 +80,6 @@ class Compression(str, Enum):
 
 MAX_THREADS = 256  # --threads: far beyond any CPU node; 100,000 made the OpenMP pool exhaust memory
 MAX_NAME = 64  # = dht/records.py MAX_NAME (not imported here: it loads hivemind)
-FAULT_NAMES = ("", "nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part", "lonely", "disk-full",
-               "late-end", "late-before-end")  # = node/faults.py FAULTS
 
 
 class SyncMode(str, Enum):
@@ -131,8 +129,6 @@ def join(
     averaging_window: Annotated[float, typer.Option(min=1.0, max=3600.0, help="Seconds to look for a group before going solo for this outer step.", rich_help_panel=AVERAGING)] = 30.0,
     allreduce_timeout: Annotated[float, typer.Option(min=1.0, max=3600.0, help="Seconds the all-reduce may take once a group formed.", rich_help_panel=AVERAGING)] = 60.0,
     eval_budget: Annotated[float, typer.Option(min=0.0, max=1.0, help="Evaluate the held-out loss after an outer step only while evaluation has taken less than this share of wall time (0.02 = 2%); the last value is reported in between.", rich_help_panel=LOCAL)] = 0.02,
-    slowdown: Annotated[float, typer.Option(hidden=True, min=1.0, help="Test/bench-only: make each inner step take this many times as long.")] = 1.0,
-    fault: Annotated[str, typer.Option(hidden=True, help="Test-only fault injection: nan | huge | stall-allreduce | withhold-digest | claim-ahead | drop-part.")] = "",
     debug_dump_rounds: Annotated[Optional[Path], typer.Option(hidden=True, help="Test-only: save each round's local and applied pseudo-gradient here.")] = None,
 ) -> None:
     """Join (or start) a training swarm and train until stopped.
@@ -151,9 +147,7 @@ def join(
 
     # (the run spec's floats are checked by RunSpec, the bounded ones by their ranges)
     require_finite(matchmaking_time=matchmaking_time, averaging_window=averaging_window,
-                   allreduce_timeout=allreduce_timeout, slowdown=slowdown)
-    if fault not in FAULT_NAMES:  # node/faults.py's (not imported here: it loads torch)
-        raise fail(f"--fault must be one of {', '.join(FAULT_NAMES[1:])}, got '{fault}'")
+                   allreduce_timeout=allreduce_timeout)
     if target_group_size == 1:
         raise fail("--target-group-size must be 0 (the whole swarm) or at least 2")
     if target_group_size > max_group_size:
@@ -226,8 +220,6 @@ def join(
         name=name,
         wait_for_peers=wait_for_peers,
         eval_budget=eval_budget,
-        slowdown=slowdown,
-        fault=fault,
         debug_dump_rounds=debug_dump_rounds,
         join_flags=_spec_flags_to_repeat(dataset=dataset, model=model, tokenizer=tokenizer, inner_steps=inner_steps, seq_len=seq_len,
                                          inner_lr=inner_lr, outer_lr=outer_lr, outer_momentum=outer_momentum,
@@ -260,9 +252,8 @@ def run_node(config) -> None:
     from diloco_swarm.dht.swarm import SwarmError
     from diloco_swarm.models.registry import ModelError
     from diloco_swarm.node.checkpoint import CheckpointError
-    from diloco_swarm.node.faults import node_type
     from diloco_swarm.node.inner import InnerOptimizerError
-    from diloco_swarm.node.runner import NodeError
+    from diloco_swarm.node.runner import Node, NodeError  # (tests/faults.py may put a faulty one there)
     from diloco_swarm.spec import SpecMismatch
 
     from diloco_swarm.dht.calls import ChildUnavailable
@@ -270,7 +261,7 @@ def run_node(config) -> None:
 
     code = 0
     try:
-        node_type(config.fault, config.slowdown)(config).run()
+        Node(config).run()
     except (DatasetError, SwarmError, SpecMismatch, CheckpointError, NodeError, CodecError, ModelError,
             InnerOptimizerError) as e:
         code = fail(str(e)).exit_code

@@ -577,7 +577,7 @@ class Node(Startup, StateSync, Mixing):
                 self._housekeeping.submit(self.records.publish_now)
         try:
             result, average = self.averager.average(
-                self._contribution(handoff.delta), weight=max(handoff.tokens, 1),
+                handoff.delta, weight=max(handoff.tokens, 1),
                 metadata=self._round_metadata(handoff), timeout=self.cfg.averaging_window, stop=control.stop,
                 give_up=control.give_up, digest_wait=DIGEST_WAIT_S, scheduled_time=start,
                 online_peers=len((set(records) | {self.peer_id}) - gone),
@@ -733,12 +733,6 @@ class Node(Startup, StateSync, Mixing):
             return bool(self.averager.donors())
         return False
 
-    def _averager_type(self) -> type:
-        """The averager class (node/faults.py substitutes faulty ones in tests)."""
-        from diloco_swarm.averaging.averager import PseudoGradientAverager
-
-        return PseudoGradientAverager
-
     def _global_digest(self) -> str:
         """Digest of θ_global, computed once per change (sha256 over every parameter is not free);
         kept only when no write began while it was computed."""
@@ -758,10 +752,6 @@ class Node(Startup, StateSync, Mixing):
     def _donor_priority(self) -> float:
         """Our priority among state donors (hivemind's ``state_sharing_priority``): our outer step."""
         return float(self.outer_step)
-
-    def _contribution(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What this peer sends to the all-reduce: its Δ (a fault subclass may send something else)."""
-        return delta
 
     def _apply_round(self, wait: bool = False, timeout: float | None = None,
                      during_inner_step: int | None = None) -> None:

@@ -143,9 +143,11 @@ class Startup:
             self.dht = start_dht(initial_peers=cfg.initial_peers, client_mode=True, retry_busy_port_s=15.0, **dht_args)
         self.sampler = self.assets.sampler(cfg.batch_size, spec.seq_len, seed=spec.seed, stream_id=self.peer_id)
         self.eval_set = self.assets.held_out_batches(cfg.batch_size, spec.seq_len, cfg.eval_batches)
+        from diloco_swarm.averaging.averager import PseudoGradientAverager  # (tests/faults.py may put a faulty one there)
+
         # forked before any model-sized buffer exists (the DHT above too): a child shares none of the
         # model's pages, which training would otherwise copy into the child's memory one by one
-        self.averager = self._averager_type()(
+        self.averager = PseudoGradientAverager(
             [torch.zeros(p.shape, dtype=torch.float32) for p in model_shape.parameters()],
             self.dht,
             prefix=spec.run_id,

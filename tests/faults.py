@@ -1,0 +1,322 @@
+"""A ``diloco-node join`` that misbehaves on purpose, for tests, benchmarks and outside testers.
+
+usage (from the repository root; or ``python tests/faults.py join ...`` from anywhere):
+
+    python -m tests.faults join [the flags of diloco-node join] --fault NAME[=VALUE] [--fault ...]
+
+Every ``--fault`` adds one fault (any number; none: an honest node); the other arguments go to
+``diloco-node join`` as they are. Faults:
+
+  nan              every int8 part this peer sends carries NaN block scales (a broken peer)
+  huge             this peer contributes its Δ × 1e6 (a hostile peer)
+  stall-allreduce  this peer hangs in the all-reduce after its first part, and touches
+                   STATE_DIR/allreduce-stalled when it does
+  withhold-digest  this peer confirms each round's average 10 s late (the others wait in their digest
+                   cross-check), and touches STATE_DIR/digest-withheld when it starts withholding
+  claim-ahead      this peer claims an outer step 1000 ahead of its own everywhere others read it (round
+                   metadata, state donation, its signed record and donor priority), with its real
+                   θ_global: a forged "newest state" that would make the others download its model
+  drop-part        as a reducer, this peer refuses every other member's part (a hostile leader or
+                   reducer that drops honest members' contributions)
+  lonely           this peer looks for its groups under a key no other peer uses, so it waits in
+                   matchmaking for its whole averaging window (stop it there at any moment)
+  disk-full        every checkpoint write after the first fails with ENOSPC (a state dir on a full disk)
+  late-end         this peer holds back the Δ of the last inner phase of its run (--max-outer-steps)
+                   until another peer's record shows the last outer step (at most 60 s), touching
+                   STATE_DIR/late-end when it starts: the others finish without it
+  late-before-end  the same with the phase before the last (two rounds behind)
+  slowdown=F       every inner step takes F times as long, F ≥ 1 (a slower machine)
+"""
+
+# How: the node and its averager are the product's, subclassed (as hivemind's
+# tests/test_allreduce_fault_tolerance.py subclasses its averager and all-reduce runner; torchft's
+# EventInjector injects failures from outside); the product holds no fault code and no hook for one.
+# main() puts the faulty node class where `diloco-node join` looks its node class up when it starts
+# the node (diloco_swarm.node.runner.Node, imported there at call time); a faulty node puts its
+# faulty averager class where the node's start-up looks it up (diloco_swarm.averaging.averager.
+# PseudoGradientAverager). One node per process, so replacing them there affects nothing else.
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import math
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import AsyncIterator
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run by path: this checkout's diloco_swarm
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from diloco_swarm.averaging import averager, codec  # noqa: E402
+from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner  # noqa: E402
+from diloco_swarm.averaging.averager import PseudoGradientAverager  # noqa: E402
+from diloco_swarm.node import runner  # noqa: E402
+from diloco_swarm.node.runner import Node  # noqa: E402
+from diloco_swarm.node.statesync import theta_digest  # noqa: E402
+
+DISK_FULL_AFTER = 1  # checkpoint writes that succeed
+HUGE_FACTOR = 1e6
+CLAIM_AHEAD_STEPS = 1000
+STALL_MARKER_NAME = "allreduce-stalled"
+WITHHOLD_MARKER_NAME = "digest-withheld"
+WITHHOLD_DIGEST_S = 10.0
+LATE_END_MARKER_NAME = "late-end"
+LATE_END_S = 60.0
+
+
+# --- faulty nodes ---------------------------------------------------------------------------------
+class FaultyNode(Node):
+    """The base of every faulty node: its averager is the product's with ``averager_faults`` mixed in."""
+
+    averager_faults: tuple[type[PseudoGradientAverager], ...] = ()
+
+    def __init__(self, config, *args, **kwargs):
+        if self.averager_faults:  # the node's start-up imports its averager class from there
+            averager.PseudoGradientAverager = faulty_averager(self.averager_faults, config.state_dir)
+        super().__init__(config, *args, **kwargs)
+
+
+class SlowInnerSteps(Node):
+    """``slowdown=F``: each inner step sleeps (F − 1) × its own duration."""
+
+    slowdown = 1.0
+
+    def _inner_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        t0 = time.monotonic()
+        loss = super()._inner_step(x, y)
+        time.sleep((self.slowdown - 1.0) * (time.monotonic() - t0))
+        return loss
+
+
+class DiskFullNode(Node):
+    _writes = 0
+
+    def _store_checkpoint(self, state) -> None:
+        if self._writes >= DISK_FULL_AFTER:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        super()._store_checkpoint(state)
+        self._writes += 1
+
+
+class LateEndNode(Node):
+    rounds_before_end = 1  # hold the phase whose round would reach --max-outer-steps − this + 1
+    _held = False
+
+    def _hand_off(self, handoff) -> None:
+        limit = self.cfg.max_outer_steps
+        if not self._held and 0 < limit <= handoff.outer_step + self.rounds_before_end:
+            self._held = True
+            (self.cfg.state_dir / LATE_END_MARKER_NAME).touch()
+            deadline = time.monotonic() + LATE_END_S
+            while time.monotonic() < deadline and not self.stop.requested:
+                try:
+                    if any(p != self.peer_id and r.outer_step >= limit for p, r in self._read_records().items()):
+                        break
+                except Exception:
+                    pass
+                self.stop.event.wait(0.5)
+        super()._hand_off(handoff)
+
+
+class LateBeforeEndNode(LateEndNode):
+    rounds_before_end = 2
+
+
+class ClaimAheadNode(Node):
+    def _round_metadata(self, handoff):
+        return {**super()._round_metadata(handoff), "outer_step": handoff.outer_step + CLAIM_AHEAD_STEPS}
+
+    def _state_for_donation(self):
+        meta, tensors, seal = super()._state_for_donation()
+        return {**meta, "outer_step": meta["outer_step"] + CLAIM_AHEAD_STEPS}, tensors, seal
+
+    def _donor_priority(self) -> float:
+        return super()._donor_priority() + CLAIM_AHEAD_STEPS
+
+    def _record_snapshot(self):
+        record = super()._record_snapshot()
+        step = record["outer_step"] + CLAIM_AHEAD_STEPS
+        marks = [*record.get("theta_marks", []), (step, theta_digest(self.outer.theta))]
+        return {**record, "outer_step": step, "theta_marks": marks}
+
+
+# --- faulty averagers (``state_dir``: the node's, set by faulty_averager) --------------------------
+class NonFiniteScalesCodec(codec.Int8BlockwiseCodec):
+    def compress(self, tensor, info, allow_inplace=False):
+        message = super().compress(tensor, info, allow_inplace)
+        n_blocks = (tensor.numel() + codec.BLOCKSIZE - 1) // codec.BLOCKSIZE
+        start = codec._HEADER.size
+        buffer = bytearray(message.buffer)
+        buffer[start:start + 4 * n_blocks] = np.full(n_blocks, np.nan, dtype="<f4").tobytes()
+        message.buffer = bytes(buffer)
+        return message
+
+
+class NonFiniteScalesAverager(PseudoGradientAverager):
+    async def _run_consensus(self, *args, **kwargs) -> None:  # (the round's all-reduce and θ-mixing's)
+        if isinstance(kwargs.get("compression"), codec.Int8BlockwiseCodec):
+            kwargs["compression"] = NonFiniteScalesCodec()
+        await super()._run_consensus(*args, **kwargs)
+
+
+class HugeContributionAverager(PseudoGradientAverager):
+    def average(self, delta, **kwargs):
+        return super().average([d * HUGE_FACTOR for d in delta], **kwargs)
+
+
+class StallingAllReduceRunner(ConsensusAllReduceRunner):
+    def __init__(self, *args, marker: Path, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.marker = marker
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator:
+        first = True
+        async for message in super()._generate_input_for_peer(peer_index):
+            yield message
+            if first:  # hang mid all-reduce, after the first part
+                first = False
+                self.marker.touch()
+                await asyncio.sleep(3600)
+
+
+class StallingAverager(PseudoGradientAverager):
+    state_dir: Path
+
+    async def _run_consensus(self, runner_type, *args, **kwargs) -> None:
+        if runner_type is ConsensusAllReduceRunner:  # the round's all-reduce (θ-mixing's runs honestly)
+            runner_type, kwargs["marker"] = StallingAllReduceRunner, self.state_dir / STALL_MARKER_NAME
+        await super()._run_consensus(runner_type, *args, **kwargs)
+
+
+class DroppingAllReduceRunner(ConsensusAllReduceRunner):
+    def _check_sender_part(self, *args, **kwargs) -> str | None:
+        return "was dropped (fault: drop-part)"
+
+
+class DroppingAverager(PseudoGradientAverager):
+    async def _run_consensus(self, runner_type, *args, **kwargs) -> None:
+        if runner_type is ConsensusAllReduceRunner:  # the round's all-reduce (θ-mixing's runs honestly)
+            runner_type = DroppingAllReduceRunner
+        await super()._run_consensus(runner_type, *args, **kwargs)
+
+
+class LonelyAverager(PseudoGradientAverager):
+    def _round_settings(self, step):
+        _, target, online, cap = super()._round_settings(step)
+        return "1" * 64, target, online, cap  # no honest peer's key: nobody to meet
+
+
+class WithholdingAverager(PseudoGradientAverager):
+    state_dir: Path
+
+    def _cross_check(self, stats, result, digest_wait, stop=None, gone=None):
+        (self.state_dir / WITHHOLD_MARKER_NAME).touch()  # confirm late: the others wait in their cross-check meanwhile
+        (stop or threading.Event()).wait(WITHHOLD_DIGEST_S)
+        return super()._cross_check(stats, result, digest_wait, stop, gone)
+
+
+def faulty_averager(faults: tuple[type[PseudoGradientAverager], ...], state_dir: Path) -> type[PseudoGradientAverager]:
+    """The product's averager with these faulty subclasses mixed in, under the product's class name:
+    hivemind names every RPC protocol after the servicer class (``{prefix}::{cls.__name__}.rpc_...``),
+    and honest peers only speak to that name."""
+    name = PseudoGradientAverager.__name__
+    return type(name, faults, {"__qualname__": name, "state_dir": state_dir})
+
+
+# --- the entry point ------------------------------------------------------------------------------
+NODE_FAULTS: dict[str, type[Node]] = {"claim-ahead": ClaimAheadNode, "disk-full": DiskFullNode, "late-end": LateEndNode,
+                                      "late-before-end": LateBeforeEndNode, "slowdown": SlowInnerSteps}
+AVERAGER_FAULTS: dict[str, type[PseudoGradientAverager]] = {
+    "nan": NonFiniteScalesAverager, "huge": HugeContributionAverager, "stall-allreduce": StallingAverager,
+    "withhold-digest": WithholdingAverager, "drop-part": DroppingAverager, "lonely": LonelyAverager}
+VALUED = {"slowdown": "F"}  # the faults that take a value, and its name in the help
+FAULTS = ("nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part", "lonely", "disk-full",
+          "late-end", "late-before-end", "slowdown")  # in the order of the help
+
+
+class UsageError(ValueError):
+    """A bad ``--fault`` (said in one line, exit code 2)."""
+
+
+def parse_fault(text: str) -> tuple[str, float | None]:
+    """``NAME`` or ``NAME=VALUE`` → (name, value or None). :raises UsageError: not a fault, or a bad value."""
+    name, has_value, value = text.partition("=")
+    if name not in FAULTS:
+        names = ", ".join(f"{f}={VALUED[f]}" if f in VALUED else f for f in FAULTS)
+        raise UsageError(f"--fault must be one of {names}; got '{text}'")
+    if name not in VALUED:
+        if has_value:
+            raise UsageError(f"--fault {name} takes no value; got '{text}'")
+        return name, None
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not (math.isfinite(number) and number >= 1.0):
+        raise UsageError(f"--fault {name}={VALUED[name]} needs a finite number F ≥ 1; got '{text}'")
+    return name, number
+
+
+def split_faults(args: list[str]) -> tuple[dict[str, float | None], list[str]]:
+    """Take every ``--fault NAME[=VALUE]`` (or ``--fault=NAME[=VALUE]``) out of ``join``'s arguments.
+
+    :returns: the faults (name → value; the last one of a name wins) and the other arguments, in order.
+    :raises UsageError: a bad fault, or ``--fault`` without one.
+    """
+    faults: dict[str, float | None] = {}
+    rest: list[str] = []
+    items = iter(args)
+    for arg in items:
+        if arg == "--fault":
+            text = next(items, None)
+            if text is None:
+                raise UsageError("--fault needs a fault: --fault NAME[=VALUE] (python -m tests.faults --help lists them)")
+        elif arg.startswith("--fault="):
+            text = arg.removeprefix("--fault=")
+        else:
+            rest.append(arg)
+            continue
+        name, value = parse_fault(text)
+        faults[name] = value
+    if "late-end" in faults and "late-before-end" in faults:
+        raise UsageError("--fault late-end and --fault late-before-end exclude each other (one phase is held)")
+    return faults, rest
+
+
+def node_class(faults: dict[str, float | None]) -> type[Node]:
+    """The product's node with these faults' subclasses mixed in (averager faults in its averager)."""
+    nodes = tuple(NODE_FAULTS[name] for name in FAULTS if name in faults and name in NODE_FAULTS)
+    averagers = tuple(AVERAGER_FAULTS[name] for name in FAULTS if name in faults and name in AVERAGER_FAULTS)
+    attrs = {"averager_faults": averagers, "slowdown": faults.get("slowdown") or 1.0}
+    return type("FaultyNode", (*nodes, FaultyNode), attrs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``join ... --fault NAME[=VALUE] ...``: run ``diloco-node join`` with a faulty node (this process)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__.strip(), file=sys.stdout if args else sys.stderr)
+        sys.exit(0 if args else 2)
+    try:
+        if args[0] != "join":
+            raise UsageError(f"the only command is join (python -m tests.faults join ... --fault NAME); got '{args[0]}'")
+        faults, rest = split_faults(args[1:])
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if "--help" in rest:
+        print(__doc__.strip() + "\n")  # then join's own help
+    runner.Node = node_class(faults)  # `diloco-node join` imports its node class from there as it starts the node
+    from diloco_swarm.cli import main as diloco_node
+
+    sys.argv = ["diloco-node", "join", *rest]
+    diloco_node()
+
+
+if __name__ == "__main__":
+    main()
