@@ -26,6 +26,8 @@ Every ``--fault`` adds one fault (any number; none: an honest node); the other a
                    STATE_DIR/late-end when it starts: the others finish without it
   late-before-end  the same with the phase before the last (two rounds behind)
   slowdown=F       every inner step takes F times as long, F ≥ 1 (a slower machine)
+  slow-donation=MS this peer sends each 64 KiB part of a state it donates MS milliseconds apart, MS ≥ 1
+                   (a donor behind a home uplink: 30 ms is about 17 Mbit/s)
 """
 
 # How: the node and its averager are the product's, subclassed (as hivemind's
@@ -51,6 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run by path: 
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from hivemind.p2p import P2PContext  # noqa: E402
+from hivemind.proto import averaging_pb2  # noqa: E402
 
 from diloco_swarm.averaging import averager, codec  # noqa: E402
 from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner  # noqa: E402
@@ -211,6 +215,16 @@ class LonelyAverager(PseudoGradientAverager):
         return "1" * 64, target, online, cap  # no honest peer's key: nobody to meet
 
 
+class SlowDonatingAverager(PseudoGradientAverager):
+    part_delay_s = 0.0  # set by node_class
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        async for message in super().rpc_download_state(request, context):
+            yield message
+            await asyncio.sleep(self.part_delay_s)
+
+
 class WithholdingAverager(PseudoGradientAverager):
     state_dir: Path
 
@@ -233,10 +247,11 @@ NODE_FAULTS: dict[str, type[Node]] = {"claim-ahead": ClaimAheadNode, "disk-full"
                                       "late-before-end": LateBeforeEndNode, "slowdown": SlowInnerSteps}
 AVERAGER_FAULTS: dict[str, type[PseudoGradientAverager]] = {
     "nan": NonFiniteScalesAverager, "huge": HugeContributionAverager, "stall-allreduce": StallingAverager,
-    "withhold-digest": WithholdingAverager, "drop-part": DroppingAverager, "lonely": LonelyAverager}
-VALUED = {"slowdown": "F"}  # the faults that take a value, and its name in the help
+    "withhold-digest": WithholdingAverager, "drop-part": DroppingAverager, "lonely": LonelyAverager,
+    "slow-donation": SlowDonatingAverager}
+VALUED = {"slowdown": "F", "slow-donation": "MS"}  # the faults that take a value, and its name in the help
 FAULTS = ("nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part", "lonely", "disk-full",
-          "late-end", "late-before-end", "slowdown")  # in the order of the help
+          "late-end", "late-before-end", "slowdown", "slow-donation")  # in the order of the help
 
 
 class UsageError(ValueError):
@@ -258,7 +273,7 @@ def parse_fault(text: str) -> tuple[str, float | None]:
     except ValueError:
         number = math.nan
     if not (math.isfinite(number) and number >= 1.0):
-        raise UsageError(f"--fault {name}={VALUED[name]} needs a finite number F ≥ 1; got '{text}'")
+        raise UsageError(f"--fault {name}={VALUED[name]} needs a finite number {VALUED[name]} ≥ 1; got '{text}'")
     return name, number
 
 
@@ -293,6 +308,7 @@ def node_class(faults: dict[str, float | None]) -> type[Node]:
     nodes = tuple(NODE_FAULTS[name] for name in FAULTS if name in faults and name in NODE_FAULTS)
     averagers = tuple(AVERAGER_FAULTS[name] for name in FAULTS if name in faults and name in AVERAGER_FAULTS)
     attrs = {"averager_faults": averagers, "slowdown": faults.get("slowdown") or 1.0}
+    SlowDonatingAverager.part_delay_s = (faults.get("slow-donation") or 0.0) / 1000
     return type("FaultyNode", (*nodes, FaultyNode), attrs)
 
 

@@ -105,6 +105,9 @@ LATE_MEMBER_PROBE_EVERY_S = 0.5  # how often a group still forming past its memb
 GoneProbe = Callable[[Sequence[str]], set]  # probe(peer ids) -> those of them it finds (gone, or moved on); never raises
 RECENT_GROUPS = 8  # rounds whose group may still run its θ-mixing all-reduce (averaging/mixing.py)
 MIX_START_WAIT_S = DIGEST_WAIT_S + 15.0  # a member's mix request waits this long for our own mix to start
+# a state download may last as long as its largest payload takes at 2 Mbit/s (a home uplink's donor; a
+# stalled one is cut by the per-chunk timeout): a fixed bound refused every download over a few hundred MB
+MIN_STATE_RATE_BPS = 250_000
 REFUSED_GROUP_PAUSE_S = 1.0  # after a group that may not advance: the same members would meet again at once
 
 COMPRESSIONS: dict[str, type[CompressionBase]] = {
@@ -605,7 +608,8 @@ class PseudoGradientAverager(DecentralizedAverager):
                 future.set_exception(RuntimeError(_short_reason(e) if str(e) else type(e).__name__))
 
     @keep_task_alive
-    async def _download_state_from(self, peer: str, timeout: float, max_bytes: int, future: MPFuture):
+    async def _download_state_from(self, peer: str, timeout: float, max_bytes: int, total_timeout: float,
+                                   future: MPFuture):
         """Stream one donor's state (hivemind's ``rpc_download_state``), bounded in bytes and time."""
         try:
 
@@ -627,7 +631,7 @@ class PseudoGradientAverager(DecentralizedAverager):
                     tensors.append(_tensor_from_parts(parts))
                 return metadata, tensors, received
 
-            send_result(future, await asyncio.wait_for(fetch(), timeout=4 * timeout))
+            send_result(future, await asyncio.wait_for(fetch(), timeout=total_timeout))
         except BaseException as e:
             if not future.done():
                 future.set_exception(RuntimeError(_short_reason(e) if str(e) else type(e).__name__))
@@ -675,7 +679,8 @@ class PseudoGradientAverager(DecentralizedAverager):
                        stop: threading.Event | None = None) -> tuple[Any, list[torch.Tensor], int]:
         """Download one donor's (metadata, tensors, bytes received).
 
-        :param timeout: seconds allowed between chunks (the whole transfer gets 4x that).
+        :param timeout: seconds allowed between chunks; the whole transfer gets 4× that plus
+            ``max_bytes`` at :data:`MIN_STATE_RATE_BPS`.
         :param max_bytes: refuse a payload larger than this.
         :param stop: when set, the download is abandoned at once (graceful leave).
         :raises RuntimeError: the donor failed, timed out or sent too much; ChildUnavailable (a
@@ -686,10 +691,11 @@ class PseudoGradientAverager(DecentralizedAverager):
         def start() -> MPFuture:
             future = MPFuture()
             self._outer_pipe.send(("_download_state_from", [], dict(peer=peer, timeout=timeout, max_bytes=max_bytes,
-                                                                   future=future)))
+                                                                   total_timeout=total, future=future)))
             return future
 
-        return bounded(self, f"state download from {peer}", start, 4 * timeout + 5, stop)
+        total = 4 * timeout + max_bytes / MIN_STATE_RATE_BPS
+        return bounded(self, f"state download from {peer}", start, total + 5, stop)
 
     def average(
         self,
