@@ -128,14 +128,13 @@ class Donations:
 
     def _read(self, index: int, tensors: Sequence[torch.Tensor], seal: StateSeal | None,
               compression: CompressionBase):
-        if seal is None:
-            return compression.compress(tensors[index], CompressionInfo.from_tensor(tensors[index], key=index),
-                                        allow_inplace=False)
-        self._freeze_if_asked(tensors, seal)
-        frozen = self._frozen.get(seal.at)
+        frozen = None
+        if seal is not None:
+            self._freeze_if_asked(tensors, seal)
+            frozen = self._frozen.get(seal.at)
         source = tensors if frozen is None else frozen
         serialized = compression.compress(source[index], CompressionInfo.from_tensor(source[index], key=index),
                                           allow_inplace=False)
-        if frozen is None and not seal.intact():  # the node wrote without waiting for our copy
+        if seal is not None and frozen is None and not seal.intact():  # written without waiting for our copy
             raise TornState("this peer's θ_global changed while its state streamed; ask again")
         return serialized

@@ -141,8 +141,7 @@ class Mixing:
     def _adopt_mixed(self, mixed: MixedState, handoff: Any, estimate: Any) -> None:
         """θ_global, outer momentum and outer step ← the mixed state (training thread); θ_local keeps
         its progress since the hand-off (the mix holds this round's Δ̄, our Δ in it)."""
-        with self._state_lock:
-            self._before_state_write()
+        with self._writing_state():
             self._remember_theta()
             self.sync.adopt(mixed.theta, mixed.momentum, handoff.delta, estimate, carry=False)
             self.outer_step = mixed.outer_step

@@ -783,8 +783,7 @@ class Node(Startup, StateSync, Mixing):
             if not kept and not carry:
                 self.stats.wasted_inner_s += handoff.work_s  # replaced by a state that may not include it
         elif kept or not carry:
-            with self._state_lock:  # a verified average, or our own Δ (alone, unconfirmed, or late too long)
-                self._before_state_write()
+            with self._writing_state():  # a verified average, or our own Δ (alone, unconfirmed, or late too long)
                 self._remember_theta()
                 self.sync.apply(outcome.average, estimate)
                 self.outer_step += 1

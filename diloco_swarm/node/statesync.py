@@ -13,6 +13,7 @@ against the run spec before anything changes.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections import Counter
@@ -135,7 +136,7 @@ class StateSync:
     def _state_for_donation(self) -> tuple[dict[str, Any], list[torch.Tensor], StateSeal]:
         """(metadata, the live θ_global + outer momentum tensors, their seal), read under the state
         lock: the averager process streams them as they are, and copies them only when we are about
-        to write them (:meth:`_before_state_write`, averaging/donation.py).
+        to write them (:meth:`_writing_state`, averaging/donation.py).
         :raises RuntimeError: the training state is not built yet (start-up): the asker tries another donor."""
         if getattr(self, "outer", None) is None:
             raise RuntimeError("this peer is still starting up")
@@ -145,13 +146,16 @@ class StateSync:
                     "theta_digest": self._global_digest(), "peer_id": self.peer_id}
             return meta, self.outer.theta + self.outer.momentum_buffers(), seal
 
-    def _before_state_write(self) -> None:
-        """Under the state lock, right before θ_global or the momentum change: a donation streaming
-        them goes on from a copy the averager process makes first (averaging/donation.py); past
+    @contextlib.contextmanager
+    def _writing_state(self):
+        """The state lock, for a change of θ_global or the momentum: a donation streaming them goes on
+        from a copy the averager process makes first (averaging/donation.py); past
         :data:`FREEZE_WAIT_S` the write goes ahead and such a stream ends (the asker tries again)."""
-        if self.averager is not None and self.averager.donating():
-            if not self.averager.freeze_donations(int(self.outer.generation.item()), timeout=FREEZE_WAIT_S):
-                self.status.log("a state donation in progress was cut: the averager did not copy the state in time")
+        with self._state_lock:
+            if self.averager is not None and self.averager.donating():
+                if not self.averager.freeze_donations(int(self.outer.generation.item()), timeout=FREEZE_WAIT_S):
+                    self.status.log("a state donation in progress was cut: the averager did not copy the state in time")
+            yield
 
     def _check_state(self, meta: Any, tensors: list[torch.Tensor], min_step: int) -> str | None:
         """Why a downloaded state is unusable, or None. The donor is untrusted."""
@@ -451,8 +455,7 @@ class StateSync:
         training (join sync); after a round (``handoff``, ``estimate``: node/outer_sync.py), θ_local
         keeps its progress since the hand-off, and the hand-off's Δ when ``carry``."""
         n = len(self.outer.theta)
-        with self._state_lock:
-            self._before_state_write()
+        with self._writing_state():
             before = self.outer_step
             self._remember_theta()
             if handoff is None:
