@@ -65,9 +65,15 @@ class CensusNode(Node):
         super()._after_round(*args, **kwargs)
         self._census("round")
 
-    def _store_checkpoint(self, state) -> None:
-        self._census("checkpoint")  # (on the checkpoint thread, training going on meanwhile)
-        super()._store_checkpoint(state)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        store = self.checkpoints.store
+
+        def census_then_store(state) -> None:
+            self._census("checkpoint")  # (on the checkpoint thread, training going on meanwhile)
+            store(state)
+
+        self.checkpoints.store = census_then_store
 
     def _adopt_state(self, state, *args, **kwargs) -> None:
         super()._adopt_state(state, *args, **kwargs)

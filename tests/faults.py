@@ -26,6 +26,8 @@ Every ``--fault`` adds one fault (any number; none: an honest node); the other a
                    STATE_DIR/late-end when it starts: the others finish without it
   late-before-end  the same with the phase before the last (two rounds behind)
   slowdown=F       every inner step takes F times as long, F ≥ 1 (a slower machine)
+  dump-rounds      (instrumentation, not a fault) this peer saves what it contributed and what it
+                   applied in each round to STATE_DIR/rounds/*.pt (tests/test_nat.py checks them)
   slow-donation=MS this peer sends each 64 KiB part of a state it donates MS milliseconds apart, MS ≥ 1
                    (a donor behind a home uplink: 30 ms is about 17 Mbit/s)
 """
@@ -59,6 +61,7 @@ from hivemind.proto import averaging_pb2  # noqa: E402
 from diloco_swarm.averaging import averager, codec  # noqa: E402
 from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner  # noqa: E402
 from diloco_swarm.averaging.averager import PseudoGradientAverager  # noqa: E402
+from diloco_swarm.dht.records import read_peer_records  # noqa: E402
 from diloco_swarm.node import runner  # noqa: E402
 from diloco_swarm.node.runner import Node  # noqa: E402
 from diloco_swarm.node.statesync import theta_digest  # noqa: E402
@@ -98,13 +101,17 @@ class SlowInnerSteps(Node):
 
 
 class DiskFullNode(Node):
-    _writes = 0
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        store, writes = self.checkpoints.store, [0]
 
-    def _store_checkpoint(self, state) -> None:
-        if self._writes >= DISK_FULL_AFTER:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        super()._store_checkpoint(state)
-        self._writes += 1
+        def full_after_the_first(state) -> None:
+            if writes[0] >= DISK_FULL_AFTER:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            store(state)
+            writes[0] += 1
+
+        self.checkpoints.store = full_after_the_first
 
 
 class LateEndNode(Node):
@@ -119,7 +126,8 @@ class LateEndNode(Node):
             deadline = time.monotonic() + LATE_END_S
             while time.monotonic() < deadline and not self.stop.requested:
                 try:
-                    if any(p != self.peer_id and r.outer_step >= limit for p, r in self._read_records().items()):
+                    records = read_peer_records(self.dht, self.spec.run_id)
+                    if any(p != self.peer_id and r.outer_step >= limit for p, r in records.items()):
                         break
                 except Exception:
                     pass
@@ -129,6 +137,21 @@ class LateEndNode(Node):
 
 class LateBeforeEndNode(LateEndNode):
     rounds_before_end = 2
+
+
+class DumpRoundsNode(Node):
+    def _after_round(self, handoff, outcome, round_step, during_inner_step, late=False) -> None:
+        held = late and outcome.state is None and outcome.mixed is None  # (Δ carried: nothing applied)
+        result, folder = outcome.result, self.cfg.state_dir / "rounds"
+        folder.mkdir(exist_ok=True)
+        torch.save({"outer_step": handoff.outer_step, "peer_id": self.peer_id, "ok": result.ok, "weight": handoff.tokens,
+                    "group": result.group_peer_ids, "group_id": result.group_id, "reason": result.reason,
+                    "maybe_kept": result.maybe_kept, "late": held,
+                    "carried_rounds": handoff.carried.rounds if handoff.carried else 0,
+                    "local": [d.detach().clone() for d in handoff.delta],
+                    "applied": [] if held else [a.detach().clone() for a in outcome.average]},
+                   folder / f"{handoff.outer_step}-{result.group_id[:12] or 'solo'}-{int(time.time() * 1000)}.pt")
+        super()._after_round(handoff, outcome, round_step, during_inner_step, late=late)
 
 
 class ClaimAheadNode(Node):
@@ -244,14 +267,15 @@ def faulty_averager(faults: tuple[type[PseudoGradientAverager], ...], state_dir:
 
 # --- the entry point ------------------------------------------------------------------------------
 NODE_FAULTS: dict[str, type[Node]] = {"claim-ahead": ClaimAheadNode, "disk-full": DiskFullNode, "late-end": LateEndNode,
-                                      "late-before-end": LateBeforeEndNode, "slowdown": SlowInnerSteps}
+                                      "late-before-end": LateBeforeEndNode, "slowdown": SlowInnerSteps,
+                                      "dump-rounds": DumpRoundsNode}
 AVERAGER_FAULTS: dict[str, type[PseudoGradientAverager]] = {
     "nan": NonFiniteScalesAverager, "huge": HugeContributionAverager, "stall-allreduce": StallingAverager,
     "withhold-digest": WithholdingAverager, "drop-part": DroppingAverager, "lonely": LonelyAverager,
     "slow-donation": SlowDonatingAverager}
 VALUED = {"slowdown": "F", "slow-donation": "MS"}  # the faults that take a value, and its name in the help
 FAULTS = ("nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part", "lonely", "disk-full",
-          "late-end", "late-before-end", "slowdown", "slow-donation")  # in the order of the help
+          "late-end", "late-before-end", "slowdown", "dump-rounds", "slow-donation")  # in the order of the help
 
 
 class UsageError(ValueError):

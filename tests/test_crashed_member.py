@@ -106,7 +106,7 @@ def _three_averagers(dhts, averagers: list, prefix: str, third: type | None = Ps
 
 
 def _gone(dht):
-    """The node's probe for gone members (``Node._gone_members``), through ``dht``."""
+    """The node's probe for gone members (``Round.gone_members``, node/round.py), through ``dht``."""
     return lambda peers: gone_peers(dht, peers, banned_is_gone=False)
 
 

@@ -2,7 +2,7 @@
 
 Real ``diloco-node join`` processes, each in its own network namespace (tests/natlib.py: two
 public hosts, two home PCs behind separate MASQUERADE routers). Every node saves what it
-contributed and what it applied in each round (hidden ``--debug-dump-rounds``), so the tests
+contributed and what it applied in each round (``python -m tests.faults join ... --fault dump-rounds``, in STATE_DIR/rounds), so the tests
 compare each peer's applied pseudo-gradient with the true token-weighted mean of its group's
 contributions: an ok round must apply exactly that mean (int8 on the wire), and so must a round
 that failed only for want of confirmations (the average the others keep); any other failed round
@@ -41,7 +41,8 @@ FORCED_STEPS = 3  # test (b)
 
 
 def _rounds(dump_dir: Path) -> list[dict]:
-    return [torch.load(p, weights_only=True) for p in sorted(dump_dir.glob("*.pt"))]
+    """The round dumps of every node of a swarm whose state dirs are under ``dump_dir``."""
+    return [torch.load(p, weights_only=True) for p in sorted(dump_dir.glob("*/rounds/*.pt"))]
 
 
 def _int8_error(applied: list[torch.Tensor], members: list[dict]) -> tuple[float, float]:
@@ -115,8 +116,8 @@ def net():
 def test_nat_peers_detect_they_are_clients_and_average_exactly(tmp_path, net):
     """(a) plain `join` behind NAT detects it, runs as a client and averages exactly with the
     public peers; (d) a public host is detected as reachable and serves as a full peer."""
-    dumps = tmp_path / "dumps"
-    with Swarm(tmp_path, "nat-a", extra=[*NODE_ARGS, "--debug-dump-rounds", str(dumps)]) as swarm:
+    dumps = tmp_path  # the nodes' state dirs
+    with Swarm(tmp_path, "nat-a", extra=[*NODE_ARGS, "--fault", "dump-rounds"]) as swarm:
         pub1 = swarm.start("pub1", wrap=net["pub1"].wrap(), timeout=150)
         seed = dict(initial=pub1, initial_host=net["pub1"].address, wait_start=False)
         pub2 = swarm.start("pub2", wrap=net["pub2"].wrap(), **seed)
@@ -150,16 +151,15 @@ def test_nat_peers_detect_they_are_clients_and_average_exactly(tmp_path, net):
 
 def _forced_public_swarm(tmp_path, net, attempt: int):
     """Run test (b)'s swarm once; :returns: (the four nodes, the rounds dump dir, the NATed peer ids)."""
-    dumps = tmp_path / f"dumps{attempt}"
     # The hazard needs both NATed peers in one group with a public leader. hivemind's matchmaking
     # makes the peer that entered it first the leader; when a NATed peer was first, the others
     # lost time dialing it and one NATed peer always missed the group (seen in CI, every round).
     # So the NATed peers train 4x larger batches (a local flag): they enter matchmaking seconds
     # after the public ones, and join a public leader that waits up to 10 s for all 4.
     extra = [*BASE_ARGS, "--max-outer-steps", str(FORCED_STEPS), "--matchmaking-time", "10",
-             "--debug-dump-rounds", str(dumps)]
+             "--fault", "dump-rounds"]
     slow = ["--public", "--batch-size", "16"]
-    root = tmp_path / f"attempt{attempt}"
+    root = dumps = tmp_path / f"attempt{attempt}"  # (the nodes' state dirs: their round dumps)
     root.mkdir()
     with Swarm(root, f"nat-b{attempt}", extra=extra) as swarm:
         pub1 = swarm.start("pub1", wrap=net["pub1"].wrap(), timeout=150)

@@ -294,7 +294,7 @@ def bare_node(events, overlap=True):
     params, outer, fake, sync = setup(events, overlap=overlap)
     node = Node.__new__(Node)
     node.params, node.outer, node.sync, node.stats = params, outer, sync, NodeStats()
-    node.cfg, node._state_lock = SimpleNamespace(debug_dump_rounds=None), threading.Lock()
+    node.cfg, node._state_lock = SimpleNamespace(), threading.Lock()
     node.outer_step, node._carried, node.records = 0, None, []
     node.history, node.averager = ThetaHistory(), None
     node._global_digest = lambda: f"step {node.outer_step}"

@@ -136,6 +136,7 @@ def _finisher(monkeypatch, reads: list[dict[str, str]], first_choice: list[str])
     from collections import deque
 
     from diloco_swarm.node.runner import Node
+    from diloco_swarm.node.swarm_view import SwarmView
 
     seen: list[dict[str, str]] = []
 
@@ -153,7 +154,8 @@ def _finisher(monkeypatch, reads: list[dict[str, str]], first_choice: list[str])
     monkeypatch.setattr(statesync_mod, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     p = Node.__new__(Node)
     held, downloads = ["X"], []
-    p.client_mode, p.peer_id, p.outer_step, p._ended_in_grid, p._recent_peers = False, "me", 10, False, {}
+    p.client_mode, p.peer_id, p.outer_step, p._ended_in_grid = False, "me", 10, False
+    p.swarm = SwarmView(me="me")
     p.stop = SimpleNamespace(requested=False, event=SimpleNamespace(wait=lambda s: clock.__setitem__(0, clock[0] + s)))
     p.stats = SimpleNamespace(phase_eta=1.0, theta_marks=deque())
     p.records = SimpleNamespace(publish_now=lambda: True, interval_s=5.0)

@@ -129,7 +129,6 @@ def join(
     averaging_window: Annotated[float, typer.Option(min=1.0, max=3600.0, help="Seconds to look for a group before going solo for this outer step.", rich_help_panel=AVERAGING)] = 30.0,
     allreduce_timeout: Annotated[float, typer.Option(min=1.0, max=3600.0, help="Seconds the all-reduce may take once a group formed.", rich_help_panel=AVERAGING)] = 60.0,
     eval_budget: Annotated[float, typer.Option(min=0.0, max=1.0, help="Evaluate the held-out loss after an outer step only while evaluation has taken less than this share of wall time (0.02 = 2%); the last value is reported in between.", rich_help_panel=LOCAL)] = 0.02,
-    debug_dump_rounds: Annotated[Optional[Path], typer.Option(hidden=True, help="Test-only: save each round's local and applied pseudo-gradient here.")] = None,
 ) -> None:
     """Join (or start) a training swarm and train until stopped.
 
@@ -220,7 +219,6 @@ def join(
         name=name,
         wait_for_peers=wait_for_peers,
         eval_budget=eval_budget,
-        debug_dump_rounds=debug_dump_rounds,
         join_flags=_spec_flags_to_repeat(dataset=dataset, model=model, tokenizer=tokenizer, inner_steps=inner_steps, seq_len=seq_len,
                                          inner_lr=inner_lr, outer_lr=outer_lr, outer_momentum=outer_momentum,
                                          compression=compression.value, seed=seed, sync_mode=sync_mode.value,

@@ -45,5 +45,4 @@ class NodeConfig:
     wait_for_peers_timeout: float = 120.0
     name: str = ""
     eval_budget: float = 0.02  # evaluate after a round only while evaluation has cost < this share of wall time
-    debug_dump_rounds: Path | None = None  # test-only: {outer_step}-{peer_id}.pt with local and applied Δ
     join_flags: list[str] = field(default_factory=list)  # run-spec flags a joiner must repeat (shown in the join line)

@@ -100,12 +100,13 @@ class Mixing:
         """Call (holding the state lock) right before θ_global changes: keep it as a reference."""
         self.history.remember((self.outer_step, self._global_digest()), self.outer.theta)
 
-    def _mix(self, result: Any, average: list[torch.Tensor], current: State, control: Any
+    def _mix(self, result: Any, average: list[torch.Tensor], current: State, control: Any, gone: Any
              ) -> tuple[MixedState | None, Any]:
         """After a verified round (``result``, its average Δ̄): mix θ_global with the group when the
         rule says so (averaging/mixing.py), on the averaging thread.
 
         :param current: the state we started the round from.
+        :param gone: ``(peers) -> the gone ones`` (node/round.py: ``Round.gone_members``).
         :returns: (the mixed state, or None when the group does not mix or the mix failed; the mixing
             round's RoundResult, or None when none ran).
         """
@@ -123,7 +124,7 @@ class Mixing:
             theta_next, momentum_next = self.outer.preview_state(average)
         contribution = [t - r for t, r in zip(theta_next, reference)] + momentum_next
         mixing, mixed = self.averager.mix(contribution, round_result=result, weight=plan.weights[self.peer_id],
-                                          planned_weights=plan.weights, stop=control.stop, gone=self._gone_members)
+                                          planned_weights=plan.weights, stop=control.stop, gone=gone)
         if not mixing.ok:
             self.status.log(f"θ-mixing with the group failed ({mixing.reason}); comparing θ_global instead")
             return None, mixing

@@ -13,7 +13,7 @@ refresh to find it again. On a loaded machine four nodes of an 8-peer swarm stop
 other four's records after a slow averaging window, most likely that way, and planned their rounds
 among themselves: two lineages for the rest of the run (``bench scale``, groups of 4). :class:`ReconnectPeers` pings the peers
 whose records we read recently and that are missing from the routing table or banned, which puts
-them back (:meth:`Node._dht_upkeep`, at most every :data:`REDIAL_EVERY_S`).
+them back (``Housekeeping.upkeep``, node/housekeeping.py, at most every :data:`REDIAL_EVERY_S`).
 """
 
 from __future__ import annotations

@@ -44,6 +44,36 @@ def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
     return events
 
 
+def round_fields(handoff: Any, outcome: Any, preview: Any) -> dict[str, Any]:
+    """What one round did, for its ``outer_step`` metrics record (docs/metrics.md): node/outer_sync.py's
+    ``Handoff``, ``RoundOutcome`` and ``Preview``; bytes and seconds include the θ-mixing round's."""
+    result, mixing = outcome.result, outcome.mixing
+    lead = preview.lead_s()
+    return {
+        "group_size": result.group_size,
+        "group": result.group_peer_ids,
+        "group_id": result.group_id,
+        "loss": handoff.loss,
+        "tokens": handoff.tokens,
+        "inner_steps": handoff.inner_steps,
+        "bytes_sent": result.bytes_sent + (mixing.bytes_sent if mixing else 0),
+        "bytes_received": result.bytes_received + (mixing.bytes_received if mixing else 0),
+        "averaging_s": round(result.seconds + (mixing.seconds if mixing else 0.0), 4),
+        "round_wall_s": round(time.monotonic() - handoff.started, 4),
+        "previewed_tensors": preview.moved,
+        "preview_lead_s": None if lead is None else round(lead, 3),
+        "round_ok": result.ok,
+        "reason": result.reason,
+        "rejected_peers": result.rejected_peers,
+        "digest_confirmed_by": result.agreed_peers,
+        "gone_peers": result.gone_peers + (mixing.gone_peers if mixing else []),
+        "group_key": outcome.group_key or None,
+        "mixed": outcome.mixed is not None,
+        "mix_reference_step": outcome.mixed.reference_step if outcome.mixed else None,
+        "mix_reason": mixing.reason if mixing and not mixing.ok else None,
+    }
+
+
 class MetricsWriter:
     """Appends one JSON object per line to ``path`` (flushed per line; fields in docs/metrics.md)."""
 

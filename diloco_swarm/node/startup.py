@@ -1,5 +1,6 @@
-"""Start-up of a node: local checks, the model and θ_global, the DHT (or rejoining through the
-peers it saw), the reachability check, the averager and the peer record.
+"""Start-up and leave of a node: local checks, the model and θ_global, the DHT (or rejoining through
+the peers it saw), the reachability check, the averager and the peer record; at the end, the last
+round, the checkpoint write and the goodbye.
 
 A mixin of :class:`diloco_swarm.node.runner.Node`. Everything local that can fail is checked
 before the network is touched.
@@ -7,6 +8,7 @@ before the network is touched.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import replace
@@ -19,14 +21,14 @@ from diloco_swarm import __version__
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
 from diloco_swarm.models import num_parameters
 from diloco_swarm.node.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, remove_stale_temp_files
+from diloco_swarm.node.dylu import PhasePlanner
 from diloco_swarm.node.errors import NodeError
 from diloco_swarm.node.inner import build_inner_optimizer
 from diloco_swarm.node.outer import OuterOptimizer
 from diloco_swarm.node.outer_sync import OuterSync
+from diloco_swarm.node.round import Round, RoundParts
 from diloco_swarm.node.statesync import theta_digest
 
-MIN_INNER_STEPS_FRACTION = 0.25  # DyLU range: a phase plans H/4 .. 2H inner steps
-MAX_INNER_STEPS_FACTOR = 2
 ROUND_MARGIN_S = 30.0  # past the round's own time bounds, a phase gives the round up
 
 
@@ -69,6 +71,59 @@ def pick_device(name: str) -> torch.device:
 
 class Startup:
     """Set-up of a :class:`~diloco_swarm.node.runner.Node` (``_setup``) and its helpers."""
+
+    def _start(self) -> bool:
+        """Set-up, the optional start barrier, join sync and the first evaluation.
+        :returns: False when a stop came during start-up (nothing was trained)."""
+        from diloco_swarm.dht.calls import ChildUnavailable
+        from diloco_swarm.dht.swarm import SwarmError
+
+        try:
+            self._setup()
+        except (SwarmError, ChildUnavailable):
+            if self.stop.requested:  # Ctrl+C while starting: leave quietly, nothing was trained
+                self.status.log("stopped during start-up")
+                return False
+            raise
+        if self.stop.requested:  # a stop during the (long) set-up: nothing trained, nothing to save
+            self.status.log("stopped during start-up")
+            return False
+        self.supervisor.start(self.dht, self.averager, self._redial_known)
+        self.stop.training = True
+        self._wait_for_peers()
+        self._join_sync()
+        if self.stop.requested:
+            return True  # the loop does not start; the leave writes the stop event
+        self._evaluate_now()
+        if self._reached_max_outer_steps():
+            self.status.log(f"outer step {self.outer_step} has reached --max-outer-steps {self.cfg.max_outer_steps}; "
+                            "nothing to train (the limit is the swarm's absolute outer step)")
+        return True
+
+    def _leave(self) -> None:
+        """Graceful leave: apply a round that has ended, drop one still running, finish the checkpoint
+        write, say goodbye."""
+        if self.supervisor.lost is None and self.sync is not None and self.sync.done():
+            with contextlib.suppress(Exception):  # as during training; the stop line did not call it dropped
+                self._apply_round()
+        pending_inner_s = self.sync.pending_inner_s() + (self._carried.inner_s if self._carried else 0.0)
+        self.sync.abandon(timeout=5.0)
+        self.stats.wasted_inner_s += pending_inner_s
+        self.housekeeping.close()
+        self.checkpoints.close(wait=True)  # the queued checkpoint write still runs
+        if self.stop.checkpoint_problem:
+            self.status.log(f"warning: {self.stop.checkpoint_problem}")
+        self.metrics.write({"event": "stop", "peer_id": self.peer_id, "outer_step": self.outer_step,
+                            "graceful": self.supervisor.lost is None, "reason": self.supervisor.lost,
+                            "goodput": round(self.stats.goodput(), 4)})
+        if self.averager is not None and not self.client_mode and self.supervisor.lost is None:
+            with contextlib.suppress(Exception):
+                self.averager.allow_state_sharing = False  # publishes "no longer a donor"
+        if self.records is not None:
+            self.records.stop(remove=self.supervisor.lost is None)  # goodbye: our record disappears at once
+        if self.supervisor.lost is None:
+            kept = "" if self.stop.checkpoint_problem or not self.stop.has_checkpoint else "; its checkpoint is kept"
+            self.status.log(f"stopped at outer step {self.outer_step}{kept}")
 
     def _setup(self) -> None:
         from diloco_swarm.dht.swarm import StateDirLock, ensure_run_spec, start_dht, visible_maddrs
@@ -115,8 +170,7 @@ class Startup:
                 f"--seq-len {spec.seq_len} exceeds the '{spec.model}' model's context of {model_shape.config.block_size}"
             )
         self.outer_step = 0
-        self.min_inner_steps = max(1, round(spec.inner_steps * MIN_INNER_STEPS_FRACTION))
-        self.max_inner_steps = spec.inner_steps * MAX_INNER_STEPS_FACTOR
+        self.phases = PhasePlanner(spec.inner_steps)  # DyLU: inner steps per phase
         # a round ends by itself within: the averaging window, the all-reduce, the digest confirmation
         self.round_deadline_s = cfg.averaging_window + cfg.allreduce_timeout + DIGEST_WAIT_S + ROUND_MARGIN_S
 
@@ -142,7 +196,7 @@ class Startup:
             self.client_mode, self.reachability = True, "client"
             self.dht = start_dht(initial_peers=cfg.initial_peers, client_mode=True, retry_busy_port_s=15.0, **dht_args)
         self.sampler = self.assets.sampler(cfg.batch_size, spec.seq_len, seed=spec.seed, stream_id=self.peer_id)
-        self.eval_set = self.assets.held_out_batches(cfg.batch_size, spec.seq_len, cfg.eval_batches)
+        eval_set = self.assets.held_out_batches(cfg.batch_size, spec.seq_len, cfg.eval_batches)
         from diloco_swarm.averaging.averager import PseudoGradientAverager  # (tests/faults.py may put a faulty one there)
 
         # forked before any model-sized buffer exists (the DHT above too): a child shares none of the
@@ -163,6 +217,7 @@ class Startup:
         phase("averager")
         checkpoint = load_checkpoint(checkpoint_path(cfg.state_dir)) if resuming else None
         self._build_training_state(checkpoint)
+        self.evaluate.start(self.model, eval_set, self.device)
         if not self.client_mode:
             self.averager.state_sharing_priority = self._donor_priority()
         phase("training_state")
@@ -171,6 +226,14 @@ class Startup:
         self.records = PeerRecordPublisher(self.dht, spec.run_id, validators, self._record_snapshot, interval_s=5.0,
                                            updated_path=cfg.state_dir / "record.updated")
         self.records.start()
+        self.swarm.me = self.peer_id
+        self.housekeeping.start(spec, self.dht, self.records, self._remember_peers)
+        self.round = Round(RoundParts(
+            cfg=cfg, peer_id=self.peer_id, averager=self.averager, dht=self.dht, records=self.records, stats=self.stats,
+            log=self.status.log, housekeeping=self.housekeeping, swarm=self.swarm, history=self.history,
+            history_floor=self._history_floor, stop=self.stop.event, overlap=self.sync.overlap,
+            client_mode=self.client_mode, metadata=self._round_metadata, catch_up=self._catch_up,
+            reconcile=self._reconcile, mix=self._mix))
         phase("record")
         if self.stop.requested:  # a stop came while we started: no banner, no start record (Node._start says so)
             return
@@ -211,12 +274,12 @@ class Startup:
         self.outer = OuterOptimizer(self.params, lr=spec.outer_lr, momentum=spec.outer_momentum)
         if cfg.target_group_size:  # a grid run: θ_0, before any checkpoint, is every member's last-resort mixing reference
             self.history.anchor_on((0, theta_digest(self.outer.theta)), self.outer.theta)
-        self.sync = OuterSync(self.outer, self.params, self._run_round, overlap=spec.sync_mode == "overlap",
-                              stop=self.stop.event)
+        self.sync = OuterSync(self.outer, self.params, lambda handoff, control: self.round.run(handoff, control),
+                              overlap=spec.sync_mode == "overlap", stop=self.stop.event)
         self.inner_opt = build_inner_optimizer(cfg.inner_optimizer, self.params, lr=spec.inner_lr)
         if checkpoint is not None:
             self._restore(checkpoint)
-            self._checkpoint_on_disk = self.outer_step
+            self.checkpoints.on_disk = self.outer_step
             self.stop.has_checkpoint = True
             # the state we hold: with another holder's record, evidence for a joiner (node/statesync.py)
             self.stats.theta_marks.append((self.outer_step, theta_digest(self.outer.theta)))

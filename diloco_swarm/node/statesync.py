@@ -302,7 +302,7 @@ class StateSync:
         self.records.publish_now()
         deadline, said, synced = time.monotonic() + FINISH_LINGER_S, False, 0  # (synced: diverged downloads made)
         # peer id -> (its outer step, its record's owner, whether it answers pings); None: not known
-        behind: dict[str, tuple[int | None, str | None, bool]] = {p: (None, None, True) for p in self._recent_peers}
+        behind: dict[str, tuple[int | None, str | None, bool]] = {p: (None, None, True) for p in self.swarm.recent_peers}
         unanswered_since: dict[str, float] = {}  # silent peer -> when its first probe of a failing run ended
         unread_since: float | None = None  # when the first DHT read of a failing run ended
         while not self.stop.requested and time.monotonic() < deadline:
@@ -482,7 +482,7 @@ class StateSync:
         if state is None:
             return False
         self._adopt_state(state)
-        self._checkpoint()
+        self.checkpoints.write_now()
         return True
 
 

@@ -163,3 +163,38 @@ class Watchdog:
         self._stopped.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.poll_s + 1)
+
+
+class Supervisor:
+    """Ends the node when one of its parts dies (a :class:`Watchdog` over the DHT, averager and p2pd
+    processes), and re-dials the peers a restarted node knew while they may be restarting too
+    (node/redial.py). ``stop``: the node's StopFlag; ``lost``: why a part died (the node then stops
+    with :class:`PartLost`, exit 3), None while all is well."""
+
+    def __init__(self, stop, log: Callable[[str], None]):
+        self.stop, self.log = stop, log
+        self.lost: str | None = None
+        self._watchdog: Watchdog | None = None
+        self._parts: tuple = ()
+
+    def start(self, dht, averager, redial_known: list[str]) -> None:
+        from diloco_swarm.node.redial import Redialer  # (redial.py loads the DHT's call helpers)
+
+        self._parts = (averager, dht)
+        self._watchdog = Watchdog(node_parts(dht, averager), self._part_lost).start()
+        if redial_known:
+            Redialer(dht, redial_known, self.stop.event, on_merged=lambda n: self.log(
+                f"found {n} of the peers this node saw before; the two swarms merge")).start()
+
+    def _part_lost(self, what: str) -> None:
+        """Watchdog callback (its thread): stop the node; the others' calls fail at once (ends them)."""
+        if self.stop.requested:
+            return  # a signal to our process group ended that part too: a normal stop
+        self.lost = what
+        self.stop.event.set()
+        end_processes(*self._parts)  # useless without each other; every call now fails at once
+
+    def close(self) -> None:
+        """Stop watching: the node now ends its parts on purpose."""
+        if self._watchdog is not None:
+            self._watchdog.stop()

@@ -138,7 +138,7 @@ def _run_dying_with_parent(run):
     @functools.wraps(run)
     def wrapper(self, *args, **kwargs):
         die_with_parent()
-        # The fork inherited the node's Ctrl+C handler (runner.StopFlag), which would swallow the
+        # The fork inherited the node's Ctrl+C handler (node/signals.py: StopFlag), which would swallow the
         # SIGTERM of hivemind's own "terminate it the hard way" and print a second "stopping" line.
         # The node stops its children itself; SIGTERM must end one.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
