@@ -1,5 +1,6 @@
 """A stand-in for `diloco-node join` in tests/test_demo_signals.py: it writes the start event the demo
-waits for, records every SIGINT/SIGTERM it gets in STATE_DIR/signals, and stops like a node.
+waits for, prints a node's "to join from" hint, records every SIGINT/SIGTERM it gets in STATE_DIR/signals,
+and stops like a node.
 
 FAKE_NODE_MODE=graceful: the first SIGINT/SIGTERM stops it (exit 0) after 0.5 s of "checkpoint writing";
 a second one during that time quits at once (exit 130), as a real node does.
@@ -43,6 +44,9 @@ signal.signal(signal.SIGTERM, handle)
 with open(metrics, "a") as f:
     f.write(json.dumps({"event": "start", "maddrs": ["/ip4/127.0.0.1/tcp/1/p2p/QmFakeNode"]}) + "\n")
 (state_dir / "pid").write_text(str(os.getpid()))
+# a real node's hint, which the demo passes on with the command that runs diloco-node from its shell
+print("to join from this machine: diloco-node join --run-id demo-fake --initial-peers /ip4/127.0.0.1/tcp/1/p2p/QmFakeNode",
+      flush=True)
 while not stop_requested:
     time.sleep(0.05)
 time.sleep(0.5)  # the checkpoint write of a real node

@@ -274,7 +274,7 @@ def test_a_write_killed_midway_leaves_a_temp_file_that_the_next_start_removes(tm
     assert remove_stale_temp_files(tmp_path / "no-such-dir") == []
 
 
-def test_resume_refuses_non_finite_state_and_negative_counters(tmp_path):
+def test_resume_refuses_non_finite_state_and_negative_counters(tmp_path, checkpoint_copy):
     """A checkpoint whose bytes were flipped can still load; NaN in the outer momentum must be
     refused at resume (one clear error), not trained on until "diverged"."""
     from diloco_swarm.models import build_model
@@ -304,10 +304,3 @@ def test_resume_refuses_non_finite_state_and_negative_counters(tmp_path):
     ckpt["outer_step"] = -5  # a hand-edited counter: a node would resume "at outer step -5"
     with pytest.raises(CheckpointError, match="outer_step = -5"):
         fresh_node()._restore(ckpt)
-
-
-def checkpoint_copy(state):
-    """A deep copy of a state dict (the node hands ``save_checkpoint`` the live tensors)."""
-    import copy
-
-    return copy.deepcopy(state)

@@ -103,6 +103,10 @@ def test_ctrl_c_stops_each_node_with_exactly_one_sigint(demo, tmp_path):
     # the hint runs as typed: diloco-node when it is on PATH, else this interpreter with -m
     hint = next(line for line in stderr.splitlines() if "watch it with: " in line).split("watch it with: ")[1]
     assert hint.startswith(("diloco-node status --run-id demo-", f"{sys.executable} -m diloco_swarm status --run-id demo-")), hint
+    # and so does each node's join hint, which names diloco-node (not on PATH after ./diloco's set-up)
+    own = hint.split(" status ")[0]
+    joins = [line.split("to join from this machine: ")[1] for line in stderr.splitlines() if "to join from this machine: " in line]
+    assert len(joins) == 2 and all(j.startswith(f"{own} join --run-id ") for j in joins), joins
 
 
 @pytest.mark.timeout(90)

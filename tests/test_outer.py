@@ -1,7 +1,5 @@
 """Tests for diloco_swarm.node.outer.OuterOptimizer: θ_global and the outer Nesterov step."""
 
-import io
-
 import pytest
 import torch
 from torch import nn
@@ -42,14 +40,6 @@ def params_of(shapes, seed):
 
 def max_abs_diff(xs, ys):
     return max((x.detach() - y.detach()).abs().max().item() for x, y in zip(xs, ys))
-
-
-def checkpoint_copy(state):
-    """What a checkpoint round trip does to a state dict: torch.save, then torch.load(weights_only=True)."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 # --- DiLoCo with one peer, outer lr 1 and no momentum is plain local training -----------
@@ -134,7 +124,7 @@ def test_step_does_not_keep_a_reference_to_the_gradient():
 # --- state_dict / load_state_dict -------------------------------------------------------
 
 
-def test_state_dict_roundtrip_continues_identically():
+def test_state_dict_roundtrip_continues_identically(checkpoint_copy):
     shapes = [(3, 4), (5,)]
     g = torch.Generator().manual_seed(4)
     grads = [[torch.randn(*s, generator=g) for s in shapes] for _ in range(4)]
@@ -167,7 +157,7 @@ def test_state_dict_holds_the_live_tensors_not_copies():
     assert state["optimizer"]["state"][0]["momentum_buffer"] is outer.momentum_buffers()[0]
 
 
-def test_load_state_dict_refuses_other_shapes_and_changes_nothing():
+def test_load_state_dict_refuses_other_shapes_and_changes_nothing(checkpoint_copy):
     outer = OuterOptimizer(params_of([(3, 4), (5,)], seed=8), lr=0.7, momentum=0.9)
     outer.step([torch.ones(3, 4), torch.ones(5)])
     before = checkpoint_copy(outer.state_dict())

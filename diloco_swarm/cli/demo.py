@@ -28,9 +28,12 @@ def node_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "diloco_swarm", *args]
 
 
-def _pump(stream, prefix: str) -> None:
+def _pump(stream, prefix: str, own_command: str = "diloco-node") -> None:
     for line in iter(stream.readline, ""):
-        print(f"{prefix} {line.rstrip()}", file=sys.stderr, flush=True)
+        line = line.rstrip()
+        if "to join from " in line:  # a node's join hint names diloco-node, which may not be on PATH here
+            line = line.replace(": diloco-node join ", f": {own_command} join ", 1)
+        print(f"{prefix} {line}", file=sys.stderr, flush=True)
 
 
 def say(console: Console, line: str) -> None:
@@ -114,6 +117,7 @@ def run_demo(*, peers: int, outer_steps: int, inner_steps: int, port: int, workd
     if dataset:
         common += ["--dataset", dataset]
     procs: list[subprocess.Popen] = []
+    own = _own_command()
     metrics = [run_dir / f"peer-{i}" / "metrics.jsonl" for i in range(peers)]
 
     def start(i: int, extra: list[str]) -> None:
@@ -121,7 +125,7 @@ def run_demo(*, peers: int, outer_steps: int, inner_steps: int, port: int, workd
                            "--metrics-file", str(metrics[i]), *extra)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, bufsize=1, process_group=0)
-        threading.Thread(target=_pump, args=(proc.stdout, f"[peer {i}]"), daemon=True).start()
+        threading.Thread(target=_pump, args=(proc.stdout, f"[peer {i}]", own), daemon=True).start()
         procs.append(proc)
 
     say(console, f"demo: run {run_id}, {peers} nodes, {outer_steps} outer steps of H={inner_steps}; files in {run_dir}")
@@ -141,7 +145,7 @@ def run_demo(*, peers: int, outer_steps: int, inner_steps: int, port: int, workd
                 return 2
             maddrs = next((e["maddrs"] for e in read_metrics(metrics[0]) if e.get("event") == "start"), [])
             time.sleep(0.3)
-        say(console, f"demo: watch it with: {_own_command()} status --run-id {run_id} --initial-peers {maddrs[0]}")
+        say(console, f"demo: watch it with: {own} status --run-id {run_id} --initial-peers {maddrs[0]}")
         for i in range(1, peers):
             start(i, ["--port", "0", "--initial-peers", maddrs[0]])
         codes = [p.wait() for p in procs]
