@@ -24,7 +24,9 @@ from diloco_swarm.dashboard.app import Poller, create_app
 from diloco_swarm.dashboard.metrics import make_registry, render_metrics
 from diloco_swarm.dashboard.render import render_page, text
 from diloco_swarm.dashboard.state import HISTORY_FILE, SwarmState, summarize
-from diloco_swarm.dht.records import PeerEntry, PeerRecord, PeerRecordPublisher, record_validators
+from diloco_swarm.dht.publisher import PeerRecordPublisher
+from diloco_swarm.dht.records import PeerEntry, PeerRecord
+from diloco_swarm.dht.signing import record_validators
 from swarmlib import free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from diloco_swarm.dht.calls import dht_run, dht_visible_maddrs
-from diloco_swarm.dht.records import record_validators
+from diloco_swarm.dht.signing import record_validators
 from diloco_swarm.dht.swarm import start_dht
 from diloco_swarm.node.redial import gone_peers, reconnect_peers
 

@@ -82,7 +82,8 @@ def test_signature_and_schema_rules_match_hivemind():
     from hivemind.utils import MSGPackSerializer, get_dht_time
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from diloco_swarm.dht.records import OWNER_KEY_REGEX, normalize_snapshot, record_validators, records_key
+    from diloco_swarm.dht.records import OWNER_KEY_REGEX, normalize_snapshot, records_key
+    from diloco_swarm.dht.signing import record_validators
 
     assert OWNER_KEY_REGEX == RSASignatureValidator.PUBLIC_KEY_REGEX
     validators = record_validators("r", None)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @dataclass
-class Result:  # the fields of averaging.averager.RoundResult that the sync and the node read
+class Result:  # the fields of averaging.results.RoundResult that the sync and the node read
     ok: bool
     group_size: int
     reason: str = ""

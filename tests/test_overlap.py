@@ -14,7 +14,7 @@ START_S = 180.0
 
 
 def digest_of_checkpoint(node) -> tuple[int, str]:
-    from diloco_swarm.averaging.averager import tensors_digest
+    from diloco_swarm.averaging.results import tensors_digest
 
     state = torch.load(node.state_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
     return state["outer_step"], tensors_digest(state["outer"]["theta"])

@@ -1,4 +1,4 @@
-"""Signed, schema-checked per-peer records (diloco_swarm.dht.records) on real DHTs on 127.0.0.1."""
+"""Signed, schema-checked per-peer records (diloco_swarm.dht: records, signing, publisher) on real DHTs on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -12,19 +12,16 @@ import pytest
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from diloco_swarm.dht.publisher import PeerRecordPublisher, identity_in_use, last_published
 from diloco_swarm.dht.records import (
     PeerRecord,
-    PeerRecordPublisher,
-    identity_in_use,
-    last_published,
     normalize_snapshot,
     owner_fingerprint,
     read_peer_entries,
     read_peer_records,
-    record_key,
-    record_validators,
     records_key,
 )
+from diloco_swarm.dht.signing import record_key, record_validators
 
 RUN = "rec-test"
 

@@ -16,7 +16,8 @@ import torch
 import math
 
 from diloco_swarm.averaging.allreduce import MAX_WEIGHT_SCALE, SIZE_REASON, allowed_scale, finite_norm
-from diloco_swarm.averaging.averager import PseudoGradientAverager, tensors_digest
+from diloco_swarm.averaging.averager import PseudoGradientAverager
+from diloco_swarm.averaging.results import tensors_digest
 from diloco_swarm.dht.swarm import start_dht, visible_maddrs
 
 SHAPES = [(64, 32), (32,)]

@@ -5,7 +5,7 @@ import torch
 from hivemind.compression import serialize_torch_tensor
 from hivemind.utils.streaming import split_for_streaming
 
-from diloco_swarm.averaging.averager import _tensor_from_parts
+from diloco_swarm.averaging.state_sharing import tensor_from_parts
 
 
 def _parts(t: torch.Tensor, chunk: int = 1024) -> list:
@@ -16,21 +16,21 @@ def test_whole_stream_gives_the_tensor_back():
     t = torch.randn(64, 33)
     parts = _parts(t)
     assert len(parts) > 2
-    assert torch.equal(_tensor_from_parts(parts), t)
+    assert torch.equal(tensor_from_parts(parts), t)
 
 
 @pytest.mark.parametrize("cut", [1, 3])
 def test_stream_cut_mid_tensor_is_one_clear_error(cut):
     parts = _parts(torch.randn(64, 33))
     with pytest.raises(ValueError, match="incomplete or malformed"):
-        _tensor_from_parts(parts[:-cut])
+        tensor_from_parts(parts[:-cut])
 
 
 def test_garbage_bytes_are_one_clear_error():
     parts = _parts(torch.randn(8, 8))
     parts[0].buffer = b"\xff" * 7
     with pytest.raises(ValueError, match="incomplete or malformed"):
-        _tensor_from_parts(parts)
+        tensor_from_parts(parts)
 
 
 # --- a donation streams the donor's live state (averaging/donation.py) ------------------------------
@@ -48,10 +48,10 @@ def _tensors_of(messages) -> list[torch.Tensor]:
     tensors, parts = [], []
     for message in messages:
         if message.tensor_part.dtype and parts:
-            tensors.append(_tensor_from_parts(parts))
+            tensors.append(tensor_from_parts(parts))
             parts = []
         parts.append(message.tensor_part)
-    return tensors + [_tensor_from_parts(parts)]
+    return tensors + [tensor_from_parts(parts)]
 
 
 def _sealed(outer):

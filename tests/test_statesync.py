@@ -1,5 +1,5 @@
 """The canonical state after a round whose members started from different θ_global
-(``node/statesync.py: canonical_state``): every member, each with its own view of the swarm's
+(``node/canonical.py: canonical_state``): every member, each with its own view of the swarm's
 signed records, must choose the same one, or the group keeps verifying rounds while its members
 stay on separate lineages."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 from types import SimpleNamespace
 
-from diloco_swarm.node.statesync import canonical_state, gather_evidence
+from diloco_swarm.node.canonical import canonical_state, gather_evidence
 
 
 def d(label: str) -> str:
@@ -94,7 +94,7 @@ def test_only_a_peer_late_for_the_last_round_takes_the_swarms_final_state():
     # Node._catch_up: one step behind is normal (the next round brings the peer along), except at the
     # end of a planned run, where no next round comes: the peer would end alone on its own θ_global.
     from diloco_swarm.node.runner import Node
-    from diloco_swarm.node.statesync import Evidence
+    from diloco_swarm.node.canonical import Evidence
 
     p = Node.__new__(Node)
     p.cfg = SimpleNamespace(max_outer_steps=4)
@@ -115,7 +115,7 @@ def test_only_a_peer_late_for_the_last_round_takes_the_swarms_final_state():
 def test_after_its_one_canonical_download_a_finisher_follows_only_a_strict_majority():
     # StateSync._end_on_one_model: a newcomer's grid run ended with five peers on one θ_global and the
     # sixth alone on the state they had just left (each had judged the canonical state a moment apart).
-    from diloco_swarm.node.statesync import majority_holders
+    from diloco_swarm.node.canonical import majority_holders
 
     five_left_us = {"a": "B", "b": "B", "c": "B", "d": "B", "e": "B"}
     assert sorted(majority_holders(five_left_us, same=0)) == ["a", "b", "c", "d", "e"]

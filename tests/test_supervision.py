@@ -19,7 +19,8 @@ import time
 import pytest
 
 from diloco_swarm.dht.calls import ChildUnavailable, dht_get, dht_run, dht_store
-from diloco_swarm.dht.records import PeerRecordPublisher, record_validators
+from diloco_swarm.dht.publisher import PeerRecordPublisher
+from diloco_swarm.dht.signing import record_validators
 from diloco_swarm.dht.swarm import explain_dht_error, start_dht
 from diloco_swarm.node.redial import dial_peers
 from diloco_swarm.node.watchdog import Watchdog, children_of, node_parts
@@ -95,7 +96,7 @@ def test_calls_fail_within_a_second_once_the_dht_process_is_gone(dht, tmp_path):
     lines: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("diloco_swarm.dht.records").addHandler(handler)
+    logging.getLogger("diloco_swarm.dht.publisher").addHandler(handler)
     for _ in range(4):  # the publisher thread would do this every 5 s
         assert not publisher.publish_now()
     assert not lines, lines  # a dead DHT process is the watchdog's to report (node/watchdog.py), in one line
@@ -119,7 +120,7 @@ def test_a_publisher_problem_is_logged_once_not_every_5s(dht, tmp_path):
     lines: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("diloco_swarm.dht.records").addHandler(handler)
+    logging.getLogger("diloco_swarm.dht.publisher").addHandler(handler)
     for _ in range(4):
         assert not publisher.publish_now()
     assert len(lines) == 1 and "could not publish" in lines[0], lines

@@ -211,6 +211,37 @@ def step_quorum_problem(steps: Sequence[object], online: int) -> str | None:
             f"{max(1, online - behind)} online peers not behind it needed")
 
 
+def group_problem(metas: Sequence[Mapping[str, object]], default_cap: int) -> str | None:
+    """Why this whole-swarm group must not run its round (:func:`step_quorum_problem` of the members'
+    gathered outer steps, with the upper median of their online-peer counts), or None.
+
+    Every member reads the same gathered bytes, so all judge alike. Not judged: grid groups (group
+    bits set), rounds without counts, and swarms larger than the plans' cap (the upper median of the
+    members' ``group_cap``, else ``default_cap``): a grid run's plan mid-run is one group when only a
+    few peers are coming, and those few may average; its last round, planned under
+    ``--max-group-size``, is judged.
+
+    :param metas: each member's gathered metadata (untrusted: ``outer_step``, ``online_peers``,
+        ``group_cap``, ``group_bits``).
+    """
+    if any(m.get("group_bits") for m in metas):
+        return None
+    claims, caps = _upper_median(metas, "online_peers"), _upper_median(metas, "group_cap")
+    if claims is None:
+        return None
+    online = max(len(metas), claims)
+    if online > (caps if caps is not None else default_cap):
+        return None
+    return step_quorum_problem([m.get("outer_step") for m in metas], online)
+
+
+def _upper_median(metas: Sequence[Mapping[str, object]], name: str) -> int | None:
+    """The upper median of the members' claimed ``name`` (untrusted: only ints ≥ 1 count), or None:
+    a few members cannot move it past what most of them said."""
+    claims = sorted(v for v in (m.get(name) for m in metas) if is_count(v, 1))
+    return claims[len(claims) // 2] if claims else None
+
+
 def round_number(own_step: int, others: Sequence[tuple[int, int | None]]) -> int:
     """The round a peer at outer step ``own_step`` plans (:func:`plan_round`'s ``round_no``), from the
     ``(outer step, round in flight or None)`` of the other peers' records.

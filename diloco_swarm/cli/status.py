@@ -40,7 +40,7 @@ def join_as_reader(initial_peers: list[str], run_id: str):
 
     :raises SwarmError: bad address, or no initial peer answered.
     """
-    from diloco_swarm.dht.records import record_validators
+    from diloco_swarm.dht.signing import record_validators
     from diloco_swarm.dht.swarm import start_dht
 
     return start_dht(initial_peers=initial_peers, host=dht_listen_host(initial_peers), port=0, client_mode=True,

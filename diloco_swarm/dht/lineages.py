@@ -2,7 +2,7 @@
 
 Every peer's signed record (``dht/records.py``) carries ``theta_marks``: its last
 :data:`MAX_THETA_MARKS` ``{"step": s, "digest": d}`` pairs, where ``d`` is the digest
-(``averaging.averager.tensors_digest``) of the θ_global the peer held at the end of outer step
+(``averaging.results.tensors_digest``) of the θ_global the peer held at the end of outer step
 ``s``: its own round's result, or the state it resumed from or downloaded. Peers that averaged
 together in a confirmed round hold the same digest at that step; peers that never met hold
 different ones. The same marks are the evidence a peer needs before it adopts another's state

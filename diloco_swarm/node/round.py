@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
 from diloco_swarm.averaging.grouping import ahead_of_swarm, moved_past
 from diloco_swarm.averaging.mixing import group_bits, history_length
-from diloco_swarm.averaging.averager import RoundResult
+from diloco_swarm.averaging.results import RoundResult
 from diloco_swarm.dht.records import read_peer_records
 from diloco_swarm.node import round_policy as policy
 from diloco_swarm.node.outer_sync import Handoff, RoundControl, RoundOutcome
@@ -45,7 +45,7 @@ class RoundParts:
     peer_id: str
     averager: Any  # PseudoGradientAverager
     dht: Any
-    records: Any  # dht.records.PeerRecordPublisher (its interval_s)
+    records: Any  # dht.publisher.PeerRecordPublisher (its interval_s)
     stats: Any  # node.stats.NodeStats
     log: Callable[[str], None]
     housekeeping: Any  # node.housekeeping.Housekeeping

@@ -9,8 +9,12 @@
                   (late: no verified group while others are online: θ_global stays, Δ_t is carried)
                   checkpoint (its own thread), evaluation, metrics, peer record (housekeeping thread)
 
-``--sync-mode blocking`` waits for each round instead. Start-up lives in node/startup.py, state
-sync in node/statesync.py, the counters behind every report in node/stats.py.
+``--sync-mode blocking`` waits for each round instead.
+
+Where the rest lives: the round on the averaging thread in node/round.py (:meth:`Round.run`), its
+decisions in node/round_policy.py (applied here by :meth:`Node._apply_round`); start-up and leave in
+node/startup.py; state sync in node/statesync.py; the node's collaborators (checkpoint writer,
+housekeeping, evaluation, supervisor, DyLU) each in its own module; the counters in node/stats.py.
 """
 
 from __future__ import annotations
@@ -96,8 +100,9 @@ class Node(Startup, StateSync, Mixing):
         """Set up, train until ``max_outer_steps`` or a stop signal, then leave cleanly.
 
         Each iteration is one DiLoCo outer step (arXiv 2311.08105, Algorithm 1): an inner phase,
-        then Δ goes to the averaging. In overlap mode the round runs on the averaging thread
-        during the next inner phase and is applied between two inner steps (node/outer_sync.py).
+        then Δ goes to the averaging (:meth:`Round.run`, node/round.py). In overlap mode the round
+        runs on the averaging thread during the next inner phase and is applied between two inner
+        steps (:meth:`_apply_round`, node/outer_sync.py).
 
         :raises NodeError, CheckpointError, SwarmError, SpecMismatch, DatasetError: user-facing problems.
         :raises PartLost: the DHT, the averager or p2pd died under the node (node/watchdog.py).

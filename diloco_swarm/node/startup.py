@@ -174,7 +174,8 @@ class Startup:
         # a round ends by itself within: the averaging window, the all-reduce, the digest confirmation
         self.round_deadline_s = cfg.averaging_window + cfg.allreduce_timeout + DIGEST_WAIT_S + ROUND_MARGIN_S
 
-        from diloco_swarm.dht.records import PeerRecordPublisher, record_validators
+        from diloco_swarm.dht.publisher import PeerRecordPublisher
+        from diloco_swarm.dht.signing import record_validators
 
         validators = record_validators(spec.run_id, cfg.state_dir)
         from diloco_swarm.node.known_peers import previous_port, save_port
@@ -350,8 +351,9 @@ class Startup:
     def _detect_reachability(self) -> str:
         """Ask a public peer to dial us back (averaging/reachability.py) unless --client-mode or
         --public decided it. :returns: "reachable", "unreachable" or "unknown"; sets ``reachability``."""
-        from diloco_swarm.averaging.averager import PseudoGradientAverager, state_donors
+        from diloco_swarm.averaging.averager import PseudoGradientAverager
         from diloco_swarm.averaging.reachability import check_reachability, transport_addrs
+        from diloco_swarm.averaging.state_sharing import state_donors
         from diloco_swarm.dht.swarm import peer_ids_of, visible_maddrs
 
         cfg = self.cfg

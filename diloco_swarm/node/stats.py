@@ -58,7 +58,7 @@ class NodeStats:
         return min(1.0, max(0.0, (self.inner_s - self.wasted_inner_s) / total)) if total > 0 else 0.0
 
     def count_round(self, result, mixing=None) -> None:
-        """Account one applied round (``averaging.averager.RoundResult``) and its θ-mixing round, if any."""
+        """Account one applied round (``averaging.results.RoundResult``) and its θ-mixing round, if any."""
         if not result.ok and result.group_size >= 2:
             self.failed_rounds += 1
         elif result.group_size < 2:

@@ -1,0 +1,128 @@
+"""Which θ_global the swarm backs: pure functions of the swarm's signed records and a round's members.
+
+A node acts on another peer's claim (adopts its state, follows its outer step) only with evidence
+from more than one record owner (:class:`Evidence`, :func:`gather_evidence`); the members of a round
+that started it from different θ_global pick the same canonical one (:func:`canonical_state`), and
+peers that judged apart settle on a strict majority's (:func:`majority_holders`). No I/O: the node's
+state sync (``statesync.py``) reads the records and downloads what these functions choose.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Container
+
+from diloco_swarm.averaging.mixing import round_step
+from diloco_swarm.dht.lineages import marks_of
+
+EVIDENCE_QUORUM = 2  # distinct signing keys whose records must back a claim before a peer acts on it
+
+
+@dataclass
+class Evidence:
+    """What the swarm's signed records back, as one node sees it.
+
+    ``supported_step``: the newest outer step that at least :data:`EVIDENCE_QUORUM` distinct record
+    owners (signing keys) have reached, or all of them when fewer are online: one peer claiming
+    to be far ahead does not move it. ``vouched``: the (outer step, θ digest) pairs that as many
+    owners hold in their θ marks, this node included, with the peer ids of the other holders.
+    """
+
+    supported_step: int = 0
+    vouched: dict[tuple[int, str], set[str]] = field(default_factory=dict)
+    holders_by_step: dict[int, set[str]] = field(default_factory=dict)  # peer ids whose record is at a step
+    clients: set[str] = field(default_factory=set)  # peer ids whose records say client: they donate no state
+
+    def accepts(self, step: int, digest: str) -> str | None:
+        """Why a state (outer step, θ digest) may not be adopted, or None.
+
+        It must not be ahead of the supported step, and when other peers vouch for a digest at
+        that step it must be one of them.
+        """
+        if step > self.supported_step:
+            return f"its outer step {step} is ahead of what other peers' signed records back ({self.supported_step})"
+        at_step = {d for (s, d) in self.vouched if s == step}
+        if at_step and digest not in at_step:
+            return f"other peers' signed records vouch for another θ_global at outer step {step}"
+        return None
+
+    def donors_at(self, min_step: int) -> list[str]:
+        """Peers to download a state of ``min_step`` or later from: those vouched for first; never a
+        client (it serves no state: asking it only costs a failed dial)."""
+        vouched = sorted({p for (s, _), peers in self.vouched.items() if s >= min_step for p in peers} - self.clients)
+        rest = sorted({p for s, peers in self.holders_by_step.items() if s >= min_step for p in peers}
+                      - set(vouched) - self.clients)
+        random.shuffle(rest)
+        return vouched + rest
+
+
+def gather_evidence(entries, me: str, my_step: int = 0, my_marks=()) -> Evidence:
+    """:class:`Evidence` from ``dht.records.read_peer_entries`` output (verified, signed records),
+    seen by peer ``me`` at outer step ``my_step`` with θ marks ``my_marks`` ((step, digest) pairs).
+
+    Our own step backs claims up to it, and our own marks vouch with one other owner's: we trust
+    our own state. Counting ourselves also makes every member of a round rank the same states the
+    same way, so they agree on the canonical one.
+
+    One peer's word, however advanced, never makes a state canonical: owner keys sign the records,
+    so a single hostile peer cannot speak for others (docs/architecture.md, threat model).
+    """
+    claims: dict[tuple[int, str], dict[str, str]] = {}  # state -> {owner: the peer id its record names}
+    steps: dict[str, int] = {}  # owner -> its outer step
+    evidence = Evidence()
+    for step, digest in marks_of(list(my_marks)).items():
+        claims.setdefault((step, digest), {})[""] = me  # "": our own key, never an owner fingerprint
+    for entry in entries or []:
+        record = entry.record
+        if record is None or record.peer_id == me:
+            continue
+        steps[entry.owner] = max(steps.get(entry.owner, 0), record.outer_step)
+        if record.reachability == "client":
+            evidence.clients.add(record.peer_id)
+        evidence.holders_by_step.setdefault(record.outer_step, set()).add(record.peer_id)
+        for step, digest in marks_of([(m.step, m.digest) for m in record.theta_marks]).items():
+            claims.setdefault((step, digest), {})[entry.owner] = record.peer_id
+    quorum = min(EVIDENCE_QUORUM, max(1, len(steps)))
+    ranked = sorted(steps.values(), reverse=True)
+    # a step that we reached ourselves backs a peer's claim up to it: we trust our own state
+    evidence.supported_step = max(ranked[quorum - 1] if len(ranked) >= quorum else 0,
+                                  min(my_step, ranked[0]) if ranked else 0)
+    vouch_quorum = min(EVIDENCE_QUORUM, len(steps) + 1)
+    evidence.vouched = {state: set(who.values()) - {me} for state, who in claims.items() if len(who) >= vouch_quorum}
+    return evidence
+
+
+def majority_holders(others: dict[str, str], same: int) -> list[str]:
+    """The peers of ``others`` (peer id -> the θ digest it holds at our outer step, not ours) that hold
+    the digest a strict majority of the peers at our step hold, this peer and the ``same`` others
+    holding ours counted; [] when no other digest has one. A strict majority is unique, so peers that
+    follow it never swap states."""
+    if not others:
+        return []
+    digest, votes = Counter(others.values()).most_common(1)[0]
+    return [p for p, d in others.items() if d == digest] if 2 * votes > len(others) + same + 1 else []
+
+
+def canonical_state(entries: dict[str, tuple[int, str]], me: str, evidence: Evidence, donors: Container[str],
+                    can_donate: bool) -> tuple[int, str]:
+    """The (outer step, θ digest) the members of a round should all hold, as member ``me`` sees it.
+
+    ``entries``: peer id -> the state it started the round from (the round's gathered metadata, the
+    same for every member). A candidate is no newer than the round's step (``mixing.round_step``: the
+    newest step half the members reached), is backed by the swarm's signed records (``evidence``) and
+    can be donated by its holder (``donors``; ours when ``can_donate``: a client cannot serve it).
+    The newest candidate wins, then a vouched one, then the one most members hold, then digest order;
+    with no candidate, every state is one.
+
+    The step cap is what keeps the members agreeing: each member always trusts its own state, so a
+    member alone ahead of the others (it applied a round alone) would keep choosing its own state
+    while the others, whose records do not back its step, chose theirs, and every later round would
+    verify while leaving them on separate lineages (seen in the chaos test: 600 "ok" rounds of 4).
+    """
+    cap = round_step(step for step, _ in entries.values())
+    eligible = {e for p, e in entries.items() if e[0] <= cap and (
+        (p in donors and evidence.accepts(*e) is None) or (p == me and can_donate))}
+    votes = Counter(e for e in entries.values() if e in eligible or not eligible)
+    return max(votes, key=lambda e: (e[0], e in evidence.vouched, votes[e], e[1]))
