@@ -1,10 +1,9 @@
-"""Benchmarks of diloco-swarm: wire bytes, codec, averaging rounds, training quality, slow links,
-overlapped vs blocking rounds, mixed peer speeds, group sizes and θ_global lineages of an 8-peer swarm;
-standalone ones (``python -m bench.NAME``): churn, idle, simscale, eager, staleness, light and memory.
+"""Benchmarks of diloco-swarm. They measure and print; nothing here asserts a time.
 
-Run ``python -m bench all`` (or ``python -m bench NAME``; ``--quick`` for toy sizes). Raw
-results go to ``bench/out/NAME.json``; ``docs/benchmarks.md`` and the ``docs/bench-*.png``
-plots are regenerated from them. Benchmarks are never tests: nothing here asserts a time.
+``python -m bench all`` runs :data:`NAMES` (``--quick``: toy sizes), ``python -m bench NAME`` or
+``python -m bench.NAME`` one benchmark. Raw results go to ``bench/out/NAME.json``, and each benchmark's
+section of ``docs/benchmarks.md`` (its figures, between markers) is regenerated from them.
 """
 
 NAMES = ("wire", "codec", "round", "quality", "netns", "overlap", "speeds", "scale")
+STANDALONE = ("churn", "idle", "simscale", "eager", "light", "staleness", "memory")  # not in `all`: long or special

@@ -1,9 +1,8 @@
 """Measure a link between two network namespaces: TCP round-trip time and one-stream throughput.
 
 ``python -m bench.netprobe serve HOST PORT`` serves one client; ``python -m bench.netprobe probe HOST PORT BYTES``
-connects, times 50 one-byte echoes, then sends BYTES and waits for the server's acknowledgement, and
-prints one JSON line ``{"rtt_ms_median": ..., "rtt_ms_max": ..., "mbit_per_s": ...}``. No imports beyond
-the standard library, so it starts in milliseconds.
+times 50 one-byte echoes, sends BYTES, waits for the acknowledgement and prints one JSON line. Standard library
+only, so it starts in milliseconds.
 """
 
 from __future__ import annotations
@@ -18,27 +17,19 @@ import time
 PINGS = 50
 
 
-def serve(host: str, port: int) -> None:
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind((host, port))
-    srv.listen(1)
-    print("ready", flush=True)
-    conn, _ = srv.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for _ in range(PINGS):
-        conn.sendall(conn.recv(1))
-    (total,) = struct.unpack("<Q", _recv_exact(conn, 8))
-    drain(conn, total)
-    conn.sendall(b"k")
-    conn.close()
-    srv.close()
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = conn.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("peer closed")
+        out += chunk
+    return out
 
 
 def drain(conn: socket.socket, total: int, chunk: int = 1 << 20) -> int:
     """Receive and discard up to ``total`` bytes (fewer if the sender closes); returns the count."""
-    buf = memoryview(bytearray(chunk))
-    got = 0
+    buf, got = memoryview(bytearray(chunk)), 0
     while got < total:
         n = conn.recv_into(buf)
         if n == 0:
@@ -47,14 +38,16 @@ def drain(conn: socket.socket, total: int, chunk: int = 1 << 20) -> int:
     return got
 
 
-def _recv_exact(conn, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        chunk = conn.recv(n - len(out))
-        if not chunk:
-            raise ConnectionError("peer closed")
-        out += chunk
-    return out
+def serve(host: str, port: int) -> None:
+    with socket.create_server((host, port)) as srv:
+        print("ready", flush=True)
+        conn, _ = srv.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(PINGS):
+            conn.sendall(conn.recv(1))
+        drain(conn, struct.unpack("<Q", _recv_exact(conn, 8))[0])
+        conn.sendall(b"k")
+        conn.close()
 
 
 def probe(host: str, port: int, total: int) -> dict:

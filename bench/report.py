@@ -1,34 +1,18 @@
-"""Regenerate docs/benchmarks.md (and its PNGs) from the JSON results in bench/out/.
+"""Regenerate the benchmarks' sections of docs/benchmarks.md (and their plots) from the JSON results in bench/out/.
 
-Each benchmark owns one section between ``<!-- bench:NAME size=SIZE -->`` and
-``<!-- /bench:NAME -->``. A section is rewritten from the largest-size result present
-(full > quick > smoke), and never by a smaller size than the one it holds: a ``--quick``
-run does not replace full-size figures. Sections without a result are left as they are, and
-marked sections of other names (another benchmark's) are kept after ours; the intro is regenerated.
+Each benchmark owns the text between ``<!-- bench:NAME size=SIZE -->`` and ``<!-- /bench:NAME -->``: its
+figures. A section is rewritten from the largest-size result present (full > quick > smoke), never by a smaller
+size than the one it holds. Everything outside the markers (headings, what a benchmark measures and how to read
+it, hand-written sections) is kept; only the intro is regenerated. A new section goes at the end.
 """
 
 from __future__ import annotations
 
-import importlib
 import re
 from pathlib import Path
 
-from bench import NAMES
+from bench import NAMES, STANDALONE
 from bench.common import SIZES, load_best_result, provenance_md
-
-TITLES = {
-    "wire": "1. Bytes on the wire per outer step (`wire`)",
-    "codec": "2. Codec throughput and error (`codec`)",
-    "round": "3. Averaging round time and loopback ceiling (`round`)",
-    "quality": "4. Held-out loss at equal tokens (`quality`)",
-    "netns": "5. Compute utilization on a 100 Mbit/s link (`netns`)",
-    "overlap": "5a. Overlapped vs blocking rounds behind a 20 Mbit/s link (`overlap`)",
-    "speeds": "5b. Mixed peer speeds: adaptive inner steps (`speeds`)",
-    "scale": "5c. Group sizes and θ_global lineages of a swarm (`scale`)",
-}
-MODULES = {"wire": "bench.wire", "codec": "bench.codec", "round": "bench.rounds", "quality": "bench.quality",
-           "netns": "bench.netns", "overlap": "bench.overlap", "speeds": "bench.speeds",
-           "scale": "bench.scale"}
 
 INTRO = """# Benchmarks
 
@@ -40,7 +24,7 @@ between the `<!-- bench:... -->` markers. To rerun:
 .venv/bin/python -m bench all --quick    # toy sizes, a few minutes; never replaces full-size sections
 .venv/bin/python -m bench quality        # one benchmark: wire | codec | round | quality | netns | overlap | speeds | scale
 .venv/bin/python -m bench report         # only regenerate this file from bench/out/
-.venv/bin/python -m bench.churn          # section 6 and docs/benchmarks-churn.md: calm vs kill/restart, ~13 min
+.venv/bin/python -m bench.churn          # section 6: calm vs kill/restart, ~13 min
 .venv/bin/python -m bench.idle           # section 7: CPU of a lone peer waiting for a group, ~3 min
 .venv/bin/python -m bench.simscale       # section 8: 64-1,024 simulated peers on the node's grouping rule, ~10 s
 .venv/bin/python -m bench.eager          # section 4b: what θ̂ steps on at an overlapped hand-off, ~15 min
@@ -52,78 +36,51 @@ Every section says which command, machine and date its figures came from. The ma
 measured on is small and shared with other jobs, so absolute times are noisy: read the ratios,
 which were measured side by side in one run. `tests/test_bench_smoke.py` runs every benchmark at a
 still smaller size (`--size smoke`) into a temporary folder; it checks that they run, never a time.
+
 """
 
-_SECTION = re.compile(r"<!-- bench:(?P<name>\w+) size=(?P<size>\w+) -->\n.*?<!-- /bench:(?P=name) -->\n", re.S)
+
+def _marked(name: str) -> re.Pattern:
+    return re.compile(rf"<!-- bench:{name} size=(\w+) -->\n.*?<!-- /bench:{name} -->\n", re.S)
 
 
-def _skeleton() -> str:
-    parts = [INTRO]
-    for name in NAMES:
-        parts.append(f"<!-- bench:{name} size=none -->\n## {TITLES[name]}\n\n*Not run yet: "
-                     f"`python -m bench {name}`.*\n<!-- /bench:{name} -->\n")
-    return "\n".join(parts)
+def section(name: str, result: dict, path: Path, docs_dir: Path) -> str:
+    """The marked section of a result: its figures (``bench.NAME.render``) and where they came from."""
+    from bench.cli import module
 
-
-_TOOK = re.compile(r"\(size: \*\*(?P<size>\w+)\*\*\), [^,]*, took (?P<s>\d+) s\.")
-
-
-def _timings(sections: dict[str, str | None]) -> str:
-    """How long the runs behind this file's sections took (from their provenance lines)."""
-    bits = []
-    for name in NAMES:
-        m = _TOOK.search(sections.get(name) or "")
-        if m:
-            bits.append(f"`{name}` {m['s']} s ({m['size']})")
-    return ("\nRun times of the results below: " + ", ".join(bits) + ".\n") if bits else ""
+    size = result.get("size", "smoke")
+    note = "" if size == "full" else f"> **Toy size ({size})**: a full-size run replaces these figures.\n\n"
+    return (f"<!-- bench:{name} size={size} -->\n{note}{module(name).render(result, docs_dir).rstrip()}\n\n"
+            f"{provenance_md(result, path)}<!-- /bench:{name} -->\n")
 
 
 def update_doc(doc: Path, out_dir: Path, only: list[str] | None = None) -> tuple[list[str], list[str]]:
-    """Rewrite the sections of ``doc`` that have results in ``out_dir``.
+    """Rewrite the sections of ``doc`` that have results in ``out_dir`` (of ``only`` these benchmarks).
 
     :returns: what was done (one line each), and the names whose section could not be rendered.
     """
     doc.parent.mkdir(parents=True, exist_ok=True)  # the plots are written next to the doc while rendering
-    text = doc.read_text() if doc.exists() else _skeleton()
-    sections = {m["name"]: m for m in _SECTION.finditer(text)}
-    messages: list[str] = []
-    errors: list[str] = []
-    new_sections = {}
-    for name in NAMES:
-        current = sections.get(name)
-        current_text = current.group(0) if current else None
-        if only is not None and name not in only:
-            new_sections[name] = current_text
-            continue
+    text = doc.read_text() if doc.exists() else ""
+    start = re.search(r"^(## |<!-- bench:)", text, re.M)
+    body = text[start.start():] if start else ""
+    messages, errors = [], []
+    for name in (*NAMES, *STANDALONE) if only is None else only:
         best = load_best_result(out_dir, name)
         if best is None:
-            new_sections[name] = current_text
             continue
-        result, path = best
+        (result, path), held = best, _marked(name).search(body)
         size = result.get("size", "smoke")
-        held = current["size"] if current else "none"
-        if held in SIZES and SIZES.index(size) < SIZES.index(held):
-            messages.append(f"{name}: kept the {held}-size section in {doc.name}; the {size} result is in {path}")
-            new_sections[name] = current_text
+        if held and held[1] in SIZES and SIZES.index(size) < SIZES.index(held[1]):
+            messages.append(f"{name}: kept the {held[1]}-size section in {doc.name}; the {size} result is in {path}")
             continue
-        module = importlib.import_module(MODULES[name])
         try:
-            body = module.render(result, doc.parent)
+            new = section(name, result, path, doc.parent)
         except Exception as e:  # a result from an older bench version must not break the others
             messages.append(f"{name}: could not render {path} ({type(e).__name__}: {e})")
             errors.append(name)
-            new_sections[name] = current_text
             continue
-        note = "" if size == "full" else (f"\n> **Toy size ({size})**: these figures come from a toy-size run; "
-                                          f"run `python -m bench {name}` for the full-size ones.\n")
-        new_sections[name] = (f"<!-- bench:{name} size={size} -->\n## {TITLES[name]}\n{note}\n{body.rstrip()}\n\n"
-                              f"{provenance_md(result, path)}<!-- /bench:{name} -->\n")
+        body = (body[:held.start()] + new + body[held.end():] if held
+                else f"{body.rstrip()}\n\n## {name}\n\n{new}".lstrip())
         messages.append(f"{name}: section rewritten from {path}")
-    parts = [INTRO + _timings(new_sections)]
-    for name in NAMES:
-        parts.append(new_sections[name] or f"<!-- bench:{name} size=none -->\n## {TITLES[name]}\n\n*Not run yet: "
-                     f"`python -m bench {name}`.*\n<!-- /bench:{name} -->\n")
-    # sections other benchmarks wrote with the same markers are kept, in their order, after ours
-    parts += [m.group(0) for m in _SECTION.finditer(text) if m["name"] not in NAMES]
-    doc.write_text("\n".join(parts))
+    doc.write_text(INTRO + body)
     return messages, errors

@@ -1,31 +1,10 @@
 """Internet scale, simulated: 64 / 256 / 1,024 peers in one process, driven by the node's grouping rule.
 
-Run: ``python -m bench.simscale [--quick]``. No network, no model: each round calls
-:func:`diloco_swarm.averaging.grouping.plan_round` (the code the node uses, not a copy) on the
-online peers' ETAs, and a small stand-in for θ_global shows how the groups mix.
-
-The model (all in ``simulate``):
-
-- **Speeds**: lognormal (σ = ``SPEED_SIGMA``); an inner phase takes ``INNER_S / speed`` seconds.
-- **Churn**: each online peer leaves at ``churn_per_hour`` (exponential), and joiners arrive at the
-  same total rate, so the swarm keeps its size. A joiner downloads θ_global and the outer momentum
-  from a random online peer (8 bytes per parameter) and starts a fresh inner phase.
-- **A round**: the ETAs (seconds left in each peer's inner phase) go to ``plan_round`` (quorum
-  ``QUORUM``, grace window ``GRACE_S``). Expected peers average in their groups, the rest are late:
-  they keep training and fold their Δ into the next round they make (token-weighted, as issue 13
-  asks). Time then moves by the deadline plus one all-reduce at ``LINK_BYTES_PER_S``.
-- **θ_global**: a ``DIM``-dimensional vector per peer. Each peer's Δ is ``tokens · (g_t + ε_i)``
-  (a common direction ``g_t`` plus per-peer noise ``ε_i``, both N(0, I)). A group replaces each
-  member's θ by ``mean(θ_j) + token-weighted mean(Δ_j)``: the θ differences are averaged along with
-  Δ (the node's θ-mixing, ``averaging/mixing.py``), so groups that met hold one θ afterwards; a group
-  whose members held different θ moves 3 int8 tensor sets (Δ, θ differences, momentum), else 1.
-
-Reported per configuration: the share of online peers in each round, groups per round,
-**lineages** (distinct θ among the peers that averaged in the round), the **θ spread** (RMS
-distance of θ from the mean θ per coordinate, in units of one peer's outer-step update, among the
-round's peers and among all online peers), and bytes per peer per outer step (int8 all-reduce, 1 byte per value plus 4 per block of
-1,024, and state downloads of joiners). Writes ``bench/out/simscale[.quick].json`` and section 8 of
-docs/benchmarks.md.
+``python -m bench.simscale [--quick]``. No network, no model: each round calls
+:func:`diloco_swarm.averaging.grouping.plan_round` (the code the node uses, not a copy) on the online peers'
+ETAs (lognormal speeds, churn with as many joiners as leavers, late peers folding their Δ into their next
+round), and a ``DIM``-dimensional stand-in for θ_global shows how the groups mix: a group replaces its members'
+θ by their mean θ plus the token-weighted mean Δ. Then ``SETTLE_ROUNDS`` rounds with no new Δ and no churn.
 """
 
 from __future__ import annotations
@@ -37,10 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import human_bytes, md_table, provenance_md, standalone_main
+from bench.common import human_bytes, md_table, mean
 from diloco_swarm.averaging.grouping import plan_round
-
-ROOT = Path(__file__).resolve().parent.parent
 
 PARAMS = 100_000_000  # model size for the byte counts
 INNER_S = 600.0  # one inner phase of a median-speed peer (H steps), seconds
@@ -148,7 +125,8 @@ def simulate(n_peers: int, cap: int, rounds: int, churn_per_hour: float = 0.1, s
         per_round.append({
             "round": t, "settle": settle, "time_s": round(clock, 1), "online": len(online), "expected": len(plan.expected),
             "late": len(plan.late), "groups": len(plan.groups), "grid_dims": plan.dims, "lineages": lineages,
-            "theta_spread": spread, "theta_spread_participants": spread_participants, "avg_bytes_per_peer": bytes_avg / len(online),
+            "theta_spread": spread, "theta_spread_participants": spread_participants,
+            "avg_bytes_per_peer": bytes_avg / len(online),
             "sync_bytes_per_peer": sync_bytes / len(online), "joins": n_join, "leaves": len(leaving),
         })
     return {"n_peers": n_peers, "cap": cap, "rounds": rounds, "churn_per_hour": churn_per_hour,
@@ -170,63 +148,34 @@ def run(size: str) -> dict[str, Any]:
             "link_bytes_per_s": LINK_BYTES_PER_S, "dim": DIM, "runs": runs}
 
 
-def _mean(xs) -> float:
-    xs = list(xs)
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
-def section(result: dict[str, Any], source: Path) -> str:
-    size = result["size"]
+def render(result: dict[str, Any], docs_dir: Path) -> str:
     rows, series = [], []
     for r in result["runs"]:
         pr = [x for x in r["per_round"] if not x.get("settle")]
         settled = [pr[-1]["theta_spread"]] + [x["theta_spread"] for x in r["per_round"] if x.get("settle")]
         half = pr[len(pr) // 2:]
         spreads = [x["theta_spread_participants"] for x in pr]
-        rows.append([
-            r["n_peers"], r["cap"], pr[0]["grid_dims"],
-            f"{100 * _mean(x['expected'] / x['online'] for x in pr):.0f}%",
-            f"{_mean(x['groups'] for x in pr):.1f}",
-            f"{max(x['lineages'] for x in half)}",
-            f"{_mean(x['theta_spread_participants'] for x in half):.3f}",
-            f"{_mean(x['theta_spread'] for x in half):.3f}",
-            human_bytes(_mean(x["avg_bytes_per_peer"] for x in pr)),
-            human_bytes(_mean(x["sync_bytes_per_peer"] for x in pr)),
-            f"{r['leaves']}/{r['joins']}",
-            f"{pr[-1]['time_s'] / 3600:.1f} h",
-        ])
+        rows.append([r["n_peers"], r["cap"], pr[0]["grid_dims"],
+                     f"{100 * mean(x['expected'] / x['online'] for x in pr):.0f}%",
+                     f"{mean(x['groups'] for x in pr):.1f}", f"{max(x['lineages'] for x in half)}",
+                     f"{mean(x['theta_spread_participants'] for x in half):.3f}",
+                     f"{mean(x['theta_spread'] for x in half):.3f}", human_bytes(mean(x["avg_bytes_per_peer"] for x in pr)),
+                     human_bytes(mean(x["sync_bytes_per_peer"] for x in pr)), f"{r['leaves']}/{r['joins']}",
+                     f"{pr[-1]['time_s'] / 3600:.1f} h"])
         series.append(f"- {r['n_peers']} peers, cap {r['cap']}: θ spread of the round's peers, by round: "
                       + ", ".join(f"{s:.2f}" for s in spreads[:12]) + (" …" if len(spreads) > 12 else "")
                       + "; of all online peers when training stops, then after each round without new Δ: "
                       + " → ".join(f"{s:.3f}" for s in settled))
-    return (
-        f"<!-- bench:simscale size={size} -->\n## 8. Internet scale, simulated (`python -m bench.simscale`)\n\n"
-        + ("" if size == "full" else "> **Toy size**: run `python -m bench.simscale` for the full-size figures.\n\n")
-        + f"One process, no network: every round calls the node's own grouping rule "
-        f"(`diloco_swarm/averaging/grouping.py`: progress alignment with quorum {result['quorum']:.0%} + "
-        f"{result['grace_s']:.0f} s grace, then one group of everyone up to the cap, a rotating Moshpit grid beyond "
-        f"it) on the online peers' ETAs. Inner phase {result['inner_s']:.0f} s at median speed, speeds lognormal "
-        f"(σ {result['speed_sigma']}), churn 10% of the peers per hour (as many joiners), a "
-        f"{result['params'] / 1e6:.0f}M-parameter model for the byte counts (int8 all-reduce; a joiner downloads "
-        "8 bytes per parameter), 100 Mbit/s links for the round time. Late peers fold their Δ into the next "
-        "round they make. Groups replace θ by the mean θ of their members plus the token-weighted mean Δ. "
-        "*Lineages*: distinct θ among the peers that averaged in a round (max over the second half of the run); "
-        "*θ spread*: RMS distance of θ from the mean θ, per coordinate, in units of one peer's outer-step update "
-        "(mean over the second half), among the peers that averaged in the round, and among all online peers "
-        "(late peers hold a θ one or more steps old until their next round). Each configuration then runs "
-        f"{SETTLE_ROUNDS} more rounds with no new Δ, no churn and every peer on time: every round's new Δ widens "
-        "the spread by its noise, and what the grouping rule's mixing does to the spread shows there "
-        "(a full grid of the cap's side averages exactly in as many rounds as it has dimensions).\n\n"
-        + md_table(["peers", "cap", "grid dims", "peers per round", "groups per round", "lineages (max)",
-                    "θ spread (round's peers)", "θ spread (all online)", "all-reduce bytes/peer/step", "state-sync bytes/peer/step", "left/joined",
-                    "simulated time"], rows)
-        + "\n" + "\n".join(series) + "\n\n" + provenance_md(result, source) + "<!-- /bench:simscale -->\n")
-
-
-def main(argv: list[str] | None = None) -> int:
-    return standalone_main("simscale", __doc__, run, section, lambda r: f"{len(r['runs'])} swarms simulated",
-                           quick_help="3 configurations, 12 rounds each", argv=argv)
+    return (f"Quorum {result['quorum']:.0%} + {result['grace_s']:.0f} s grace; inner phase {result['inner_s']:.0f} s at "
+            f"median speed, speeds lognormal (σ {result['speed_sigma']}); {result['params'] / 1e6:.0f}M parameters for "
+            "the byte counts.\n\n"
+            + md_table(["peers", "cap", "grid dims", "peers per round", "groups per round", "lineages (max)",
+                        "θ spread (round's peers)", "θ spread (all online)", "all-reduce bytes/peer/step",
+                        "state-sync bytes/peer/step", "left/joined", "simulated time"], rows)
+            + "\n" + "\n".join(series) + "\n")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from bench.cli import main
+
+    sys.exit(main(name="simscale"))

@@ -19,11 +19,11 @@ import time
 import pytest
 import torch
 
-from bench.procs import process_tree
 from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner
 from diloco_swarm.averaging.averager import PseudoGradientAverager
 from diloco_swarm.dht.swarm import start_dht, visible_maddrs
 from diloco_swarm.node.redial import gone_peers
+from swarmlib import process_tree
 
 SHAPES = [(1024, 256), (256,)]
 SLOW_MEMBER_S = 120.0  # the time bounds for slow members in these tests: a survivor that waits them out fails

@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.procs import process_tree
 from diloco_swarm.light import wire
 from diloco_swarm.light.verify import schema_ok, signature_ok, strip_signature, verified_dictionary
+from swarmlib import process_tree
 
 REPO = Path(__file__).resolve().parents[1]
 NODE = [sys.executable, "-m", "diloco_swarm"]

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.procs import process_tree
-from swarmlib import NodeProc
+from swarmlib import NodeProc, process_tree
 from test_churn import NO_START_BARRIER, ROUND_S, START_S, ChurnSwarm, last_maddr, load_checkpoint, peer_id, records_after
 
 pytestmark = [pytest.mark.swarm]
