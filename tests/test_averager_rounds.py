@@ -108,7 +108,7 @@ def test_every_tensor_of_the_average_arrives_under_the_rounds_token_with_the_ver
 
 @pytest.mark.timeout(360)
 def test_a_member_a_step_behind_and_one_at_the_newest_step_never_average_in_a_swarm_of_three():
-    # The fault-free 3-peer split (docs/architecture.md): peer 0 a step behind met peer 1's round and,
+    # The fault-free 3-peer split (docs/decisions.md): peer 0 a step behind met peer 1's round and,
     # next, peer 2's, and two verified averages made two θ_global of one outer step. Every member reads
     # the same gathered steps and refuses that group before any part moves; hivemind's matchmaking
     # then retries within the window, and the round forms once peer 2 (at the newest step) is in.

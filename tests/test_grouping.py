@@ -119,7 +119,7 @@ def test_majority_quorum_forbids_two_groups_in_one_round():
 
 
 def test_a_member_behind_does_not_make_up_a_majority_for_the_newest_step():
-    """The fault-free 3-peer split (docs/architecture.md, Known limits): a peer a step behind met one
+    """The fault-free 3-peer split (docs/decisions.md: "a majority of the peers not behind"): a peer a step behind met one
     peer's round, then the other's, and the two pairs each made their own θ_global of one outer step."""
     from diloco_swarm.averaging.grouping import step_quorum_problem
 

@@ -17,7 +17,7 @@ smuggle in a hostile codebook. Every field of an incoming buffer is checked befo
 
 Version 1 mapped codes through bitsandbytes' dynamic code (``quantize_blockwise``); its CPU kernels
 were slower than these numpy passes, at a larger error on pseudo-gradients (docs/benchmarks.md
-section 2; why we changed, docs/architecture.md). Finiteness needs no pass of its own: a NaN or
+section 2; why we changed, docs/decisions.md). Finiteness needs no pass of its own: a NaN or
 ±Inf makes its block's absmax non-finite.
 
 Why not hivemind's own ``BlockwiseQuantization``: in hivemind 1.1.12 its ``extract`` raises

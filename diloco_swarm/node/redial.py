@@ -95,7 +95,7 @@ class ReconnectPeers:
                         break
                 # ping even when no connect worked: a version that skipped this ping for a peer killed
                 # mid-round made survivors wait out hivemind's 20 s reducer timeout in 2 of 2 bench.churn
-                # runs (0 of 3 with it); why is not established (docs/architecture.md, hivemind traps)
+                # runs (0 of 3 with it); why is not established (docs/decisions.md)
                 if await asyncio.wait_for(node.protocol.call_ping(peer_id), self.timeout) is not None:
                     node.blacklist.register_success(peer_id)
                     answered += 1
