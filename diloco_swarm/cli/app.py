@@ -126,7 +126,7 @@ def join(
     target_group_size: Annotated[int, typer.Option(min=0, help="Peers per averaging group; 0 = the whole swarm in one group (up to --max-group-size), so every peer holds one θ_global: a group must hold a majority of the online peers. Smaller groups follow a rotating grid and mix θ_global between rounds (docs/architecture.md).", rich_help_panel=AVERAGING)] = 0,
     max_group_size: Annotated[int, typer.Option(min=2, max=1024, help="Most peers in one averaging group.", rich_help_panel=AVERAGING)] = 64,
     matchmaking_time: Annotated[float, typer.Option(min=0.5, help="Seconds a group leader waits for more peers at least; it waits longer for peers whose inner phase is about to end (progress alignment).", rich_help_panel=AVERAGING)] = 2.0,
-    averaging_window: Annotated[float, typer.Option(min=1.0, max=3600.0, help="Seconds to look for a group before going solo for this outer step.", rich_help_panel=AVERAGING)] = 30.0,
+    averaging_window: Annotated[float, typer.Option(min=1.0, max=3600.0, help="Seconds to look for a group before the round counts as late (its pseudo-gradient goes into the next round; a solo outer step only when no other peer is online).", rich_help_panel=AVERAGING)] = 30.0,
     allreduce_timeout: Annotated[float, typer.Option(min=1.0, max=3600.0, help="Seconds the all-reduce may take once a group formed.", rich_help_panel=AVERAGING)] = 60.0,
     eval_budget: Annotated[float, typer.Option(min=0.0, max=1.0, help="Evaluate the held-out loss after an outer step only while evaluation has taken less than this share of wall time (0.02 = 2%); the last value is reported in between.", rich_help_panel=LOCAL)] = 0.02,
 ) -> None:

@@ -6,8 +6,8 @@
         mix            members that started from different θ_global mix them (node/mixing.py)
         reconcile      or adopt the canonical θ_global (node/statesync.py)
 
-The decisions are node/round_policy.py's pure functions; this class reads the records, probes
-members, waits and calls the averager. The training thread applies the outcome (``Node._apply_round``,
+Whom to average with is node/round_policy.py's pure functions; this class reads the records,
+probes members, waits and calls the averager. The training thread applies the outcome (``Node._apply_round``,
 through ``round_policy.settle``). Like torchft's ``DiLoCo.perform_sync``, but membership is read from
 the DHT's signed records each round instead of a lighthouse's quorum.
 """
@@ -71,7 +71,8 @@ class Round:
         self._moved_on_read: tuple[float, dict[str, Any]] = (float("-inf"), {})  # (time.monotonic(), records)
 
     def run(self, handoff: Handoff, control: RoundControl) -> RoundOutcome:
-        """One round, in its phases. Never raises: a round that fails becomes a late round (its Δ is carried)."""
+        """One round, in its phases. Never raises: a failure is an outcome with ``ok=False``, which
+        ``round_policy.settle`` then holds (Δ carried) or applies (nobody else online, late too long)."""
         caught_up = self._catch_up_before(handoff)
         if caught_up is not None:  # far behind the swarm: adopt its state, our stale Δ is dropped
             return caught_up

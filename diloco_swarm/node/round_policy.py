@@ -1,10 +1,12 @@
-"""The decisions of one round, as pure functions: what to do is decided here, from the peers'
-records, the hand-off, the clock and the config; node/round.py (the averaging thread) and
-node/runner.py (the training thread) carry the decisions out. No I/O, no threads.
+"""Whom a round averages with, and what the outer step does with its outcome, as pure functions of
+the peers' records, the hand-off, the clock and the config; node/round.py (the averaging thread)
+and node/runner.py (the training thread) carry the decisions out. No I/O, no threads. (Which state
+to catch up with or adopt is node/canonical.py's; whether a group mixes, averaging/mixing.py's.)
 
-Before matchmaking (:func:`before_plan`, :func:`plan`, :func:`after_plan`):
+Before matchmaking (:func:`before_plan`, :func:`plan`, :func:`after_plan`; a client that sees no
+public peer is solo before these, ``Round._public_peer_online``):
 
-    nobody else online, or only clients when we are one     -> Solo    (our own Δ is the outer step)
+    overlap mode, nobody else online (or all others gone)   -> Solo    (our own Δ is the outer step)
     the others finished the run without us                  -> Skip    (the round then catches up)
     planned: the other members of our grid group are gone   -> Skip    (late: Δ goes into the next round)
     otherwise                                               -> Join    (average with the plan's group)
@@ -119,7 +121,8 @@ def plan(step: int, inner_s: float, others: Mapping[str, Any], *, me: str, now: 
     ``step``: our outer step at the hand-off; ``inner_s``: our phase's seconds; ``others``: peer id ->
     record of the other peers; ``silent_s``: seconds each record has been unchanged as we read it;
     ``gone``: members a probe found dead (their records are still fresh): in a one-group round they
-    are not waited for, nor counted toward the majority quorum. ``cfg``: the node's config
+    leave the plan, and no round waits for them (:func:`after_plan` also leaves them out of the
+    online count behind the majority quorum). ``cfg``: the node's config
     (``averaging_window``, ``matchmaking_time``, ``group_size``, ``max_group_size``, ``max_outer_steps``).
 
     The grace window is half a phase of ours, within [--matchmaking-time, half the averaging window].
