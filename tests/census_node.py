@@ -75,14 +75,20 @@ class CensusNode(Node):
 
         self.checkpoints.store = census_then_store
 
-    def _adopt_state(self, state, *args, **kwargs) -> None:
-        super()._adopt_state(state, *args, **kwargs)
-        del state
-        with _lock:
-            with open(os.environ["CENSUS_FILE"], "a") as f:
-                f.write(json.dumps({"at": "download", "outer_step": self.outer_step,
-                                    "averager_shm_bytes": shm_mapped(self.averager.pid),
-                                    "params": sum(p.numel() for p in self.params)}) + "\n")
+    def _setup(self) -> None:
+        super()._setup()
+        adopt = self.state_sync.adopt
+
+        def adopt_then_census(state, *args, **kwargs) -> None:
+            adopt(state, *args, **kwargs)
+            del state
+            with _lock:
+                with open(os.environ["CENSUS_FILE"], "a") as f:
+                    f.write(json.dumps({"at": "download", "outer_step": self.outer_step,
+                                        "averager_shm_bytes": shm_mapped(self.averager.pid),
+                                        "params": sum(p.numel() for p in self.params)}) + "\n")
+
+        self.state_sync.adopt = adopt_then_census
 
     def _state_for_donation(self):
         served = super()._state_for_donation()

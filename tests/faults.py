@@ -64,7 +64,7 @@ from diloco_swarm.averaging.averager import PseudoGradientAverager  # noqa: E402
 from diloco_swarm.dht.records import read_peer_records  # noqa: E402
 from diloco_swarm.node import runner  # noqa: E402
 from diloco_swarm.node.runner import Node  # noqa: E402
-from diloco_swarm.node.statesync import theta_digest  # noqa: E402
+from diloco_swarm.node.global_state import theta_digest  # noqa: E402
 
 DISK_FULL_AFTER = 1  # checkpoint writes that succeed
 HUGE_FACTOR = 1e6
@@ -168,7 +168,7 @@ class ClaimAheadNode(Node):
     def _record_snapshot(self):
         record = super()._record_snapshot()
         step = record["outer_step"] + CLAIM_AHEAD_STEPS
-        marks = [*record.get("theta_marks", []), (step, theta_digest(self.outer.theta))]
+        marks = [*record.get("theta_marks", []), (step, theta_digest(self.state.theta))]
         return {**record, "outer_step": step, "theta_marks": marks}
 
 

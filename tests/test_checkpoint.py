@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import threading
+
 import pytest
 import torch
 
@@ -280,6 +282,7 @@ def test_resume_refuses_non_finite_state_and_negative_counters(tmp_path, checkpo
     from diloco_swarm.models import build_model
     from diloco_swarm.node.checkpoint import CheckpointError
     from diloco_swarm.node.config import NodeConfig
+    from diloco_swarm.node.global_state import GlobalState, ThetaHistory
     from diloco_swarm.node.outer import OuterOptimizer
     from diloco_swarm.node.runner import Node
     from diloco_swarm.spec import RunSpec
@@ -289,12 +292,13 @@ def test_resume_refuses_non_finite_state_and_negative_counters(tmp_path, checkpo
                        inner_lr=1e-3, outer_lr=0.7, outer_momentum=0.9, compression="int8", seed=0)
         node = Node(NodeConfig(spec=spec, state_dir=tmp_path))
         node.params = list(build_model("tiny", seed=0).parameters())
-        node.outer = OuterOptimizer(node.params, lr=0.7, momentum=0.9)
+        node.state = GlobalState(OuterOptimizer(node.params, lr=0.7, momentum=0.9), lock=threading.Lock(),
+                                 history=ThetaHistory(), marks=node.stats.theta_marks)
         return node
 
     node = fresh_node()
-    node.outer.step([torch.full_like(t, 1e-3) for t in node.outer.theta])
-    ckpt = {"outer": checkpoint_copy(node.outer.state_dict()), "outer_step": 3, "inner_steps_total": 6,
+    node.state.outer.step([torch.full_like(t, 1e-3) for t in node.state.theta])
+    ckpt = {"outer": checkpoint_copy(node.state.outer.state_dict()), "outer_step": 3, "inner_steps_total": 6,
             "tokens_total": 100}
     fresh_node()._restore(ckpt)  # a healthy checkpoint resumes
     ckpt["outer"]["optimizer"]["state"][0]["momentum_buffer"][0] = float("nan")

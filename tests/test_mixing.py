@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from diloco_swarm.averaging.mixing import MAX_MARKS, group_bits, history_length, mixing_group_id, plan_mix
-from diloco_swarm.node.mixing import ThetaHistory
+from diloco_swarm.node.global_state import ThetaHistory
 
 D = {c: c * 16 for c in "abcdef"}  # θ digests (16 hex digits)
 

@@ -287,17 +287,19 @@ def test_an_adopted_state_keeps_local_progress_and_carries_delta_only_when_asked
 def bare_node(events, overlap=True):
     """A :class:`Node` with only what applying a round reads: θ_global, the sync, the counters
     (no model, DHT or averager); its round records are (outer step, late, tokens) tuples."""
-    from diloco_swarm.node.mixing import ThetaHistory
+    from diloco_swarm.node.global_state import GlobalState, ThetaHistory
+    from diloco_swarm.node.mixing import ThetaMixer
     from diloco_swarm.node.runner import Node
     from diloco_swarm.node.stats import NodeStats
 
     params, outer, fake, sync = setup(events, overlap=overlap)
     node = Node.__new__(Node)
-    node.params, node.outer, node.sync, node.stats = params, outer, sync, NodeStats()
-    node.cfg, node._state_lock = SimpleNamespace(), threading.Lock()
-    node.outer_step, node._carried, node.records = 0, None, []
-    node.history, node.averager = ThetaHistory(), None
-    node._global_digest = lambda: f"step {node.outer_step}"
+    node.params, node.sync, node.stats = params, sync, NodeStats()
+    node.state = GlobalState(outer, lock=threading.Lock(), history=ThetaHistory(), marks=node.stats.theta_marks)
+    node.state.digest = lambda: f"step {node.state.step}"
+    node.mixer = ThetaMixer(node.state, averager=None, peer_id="me", stats=node.stats, supported_step=lambda: 0,
+                            log=print)
+    node.cfg, node._carried, node.records = SimpleNamespace(), None, []
     node._after_round = lambda h, result, step, during, late=False: node.records.append((step, late, h.tokens))
     return node
 
@@ -305,7 +307,7 @@ def bare_node(events, overlap=True):
 def one_outer_step(node, seed: int) -> None:
     """An inner phase of 100 tokens, the hand-off, and the round applied after the next phase's training."""
     inner_phase(node.params, seed=seed)
-    node.sync.hand_off(node._handoff(tokens=100, steps=3, inner_s=1.0, loss=1.0))
+    node.sync.hand_off(node._phase_handoff(tokens=100, steps=3, inner_s=1.0, loss=1.0))
     if node.sync.overlap:
         inner_phase(node.params, seed=seed + 100)
     node._apply_round(wait=True, timeout=5)
@@ -316,9 +318,9 @@ def test_a_late_peer_keeps_its_lineage_and_folds_its_delta_into_the_next_round()
     while others are online leaves θ_global and the outer step alone, and the next round's Δ and
     weight carry its work; nothing is wasted."""
     node = bare_node(["fail", ("ok", [torch.zeros_like(p) for p in model().parameters()])])
-    theta0 = clone(node.outer.theta)
+    theta0 = clone(node.state.outer.theta)
     one_outer_step(node, seed=1)
-    assert node.outer_step == 0 and all(torch.equal(a, b) for a, b in zip(node.outer.theta, theta0))
+    assert node.outer_step == 0 and all(torch.equal(a, b) for a, b in zip(node.state.outer.theta, theta0))
     assert node.records == [(0, True, 100)] and node.stats.late_rounds == 1 and node.stats.tokens_total == 0
     assert node._carried.rounds == 1 and node._carried.tokens == 100 and node._carried.inner_s == 1.0
     one_outer_step(node, seed=2)
@@ -345,10 +347,10 @@ def test_a_round_another_member_may_have_kept_is_applied_never_carried():
     the round's average (what the averager returns for an unconfirmed round), as that member did."""
     average = [torch.full_like(p, 0.5) for p in model().parameters()]
     node = bare_node([("unconfirmed", average)])
-    expected = clone(node.outer.preview(average))  # θ_global after one outer step on that average
+    expected = clone(node.state.outer.preview(average))  # θ_global after one outer step on that average
     one_outer_step(node, seed=1)
     assert node.outer_step == 1 and node.records == [(1, False, 100)] and node._carried is None
-    for got, want in zip(node.outer.theta, expected):
+    for got, want in zip(node.state.outer.theta, expected):
         torch.testing.assert_close(got, want)
 
 
@@ -359,10 +361,10 @@ def test_overlap_with_late_rounds_follows_blocking_exactly():
         node = bare_node(["fail"] * 3 + ["alone"], overlap=overlap)
         for t in range(4):
             inner_phase(node.params, seed=t)
-            node.sync.hand_off(node._handoff(tokens=100, steps=3, inner_s=1.0, loss=1.0))
+            node.sync.hand_off(node._phase_handoff(tokens=100, steps=3, inner_s=1.0, loss=1.0))
             node._apply_round(wait=True, timeout=5)
         assert node.outer_step == 2
-        trajectories[overlap] = clone(node.outer.theta)
+        trajectories[overlap] = clone(node.state.outer.theta)
     for a, b in zip(trajectories[True], trajectories[False]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
@@ -405,13 +407,14 @@ def test_one_round_at_a_time():
 def test_a_mixed_state_is_adopted_with_its_outer_step_keeping_local_progress():
     """θ-mixing (node/mixing.py): the group's mixed θ_global, momentum and outer step replace ours;
     θ_local keeps the progress made since the hand-off; the earlier θ_global stays as a reference."""
-    from diloco_swarm.node.mixing import MixedState, ThetaHistory
+    from diloco_swarm.node.global_state import ThetaHistory
+    from diloco_swarm.node.mixing import MixedState
 
     node = bare_node([])
-    node.history = ThetaHistory(keep=3)
+    node.state.history = ThetaHistory(keep=3)
     inner_phase(node.params, seed=1)
-    h = node._handoff(tokens=100, steps=3, inner_s=1.0, loss=1.0)
-    theta0 = clone(node.outer.theta)
+    h = node._phase_handoff(tokens=100, steps=3, inner_s=1.0, loss=1.0)
+    theta0 = clone(node.state.outer.theta)
     mixed = MixedState(theta=[t + 0.25 for t in theta0], momentum=[torch.full_like(t, 0.5) for t in theta0],
                        outer_step=4, digest="ab" * 8, reference_step=0)
     node.sync.run_round = lambda handoff, control: RoundOutcome(Result(True, 2), [d.clone() for d in handoff.delta],
@@ -423,11 +426,11 @@ def test_a_mixed_state_is_adopted_with_its_outer_step_keeping_local_progress():
     node._apply_round(wait=True, timeout=5)
     # the round's record keeps the step it averaged (its synced_to says where the mix took us)
     assert node.outer_step == 4 and node.records == [(1, False, 100)] and node.stats.mixed_rounds == 1
-    assert all(torch.equal(a, b) for a, b in zip(node.outer.theta, mixed.theta))
-    assert all(torch.equal(a, b) for a, b in zip(node.outer.momentum_buffers(), mixed.momentum))
+    assert all(torch.equal(a, b) for a, b in zip(node.state.outer.theta, mixed.theta))
+    assert all(torch.equal(a, b) for a, b in zip(node.state.outer.momentum_buffers(), mixed.momentum))
     for p, t, prog in zip(node.params, mixed.theta, progress):
         torch.testing.assert_close(p - t, prog, rtol=0, atol=1e-6)
-    assert node.history.states() == [(0, "step 0")]
-    assert all(torch.equal(a, b) for a, b in zip(node.history.get((0, "step 0")), theta0))
+    assert node.state.history.states() == [(0, "step 0")]
+    assert all(torch.equal(a, b) for a, b in zip(node.state.history.get((0, "step 0")), theta0))
     assert node.stats.theta_marks[-1] == (4, "ab" * 8) and node.stats.state_syncs == 0
 

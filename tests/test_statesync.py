@@ -91,29 +91,29 @@ def test_a_client_is_never_asked_for_a_state_download():
 
 
 def test_only_a_peer_late_for_the_last_round_takes_the_swarms_final_state():
-    # Node._catch_up: one step behind is normal (the next round brings the peer along), except at the
+    # StateSync.catch_up: one step behind is normal (the next round brings the peer along), except at the
     # end of a planned run, where no next round comes: the peer would end alone on its own θ_global.
-    from diloco_swarm.node.runner import Node
     from diloco_swarm.node.canonical import Evidence
+    from diloco_swarm.node.statesync import StateSync
 
-    p = Node.__new__(Node)
+    p = StateSync.__new__(StateSync)
     p.cfg = SimpleNamespace(max_outer_steps=4)
     asked = []
-    p._download_state = lambda **kw: asked.append(kw) or "the final state"
+    p.download = lambda **kw: asked.append(kw) or "the final state"
     swarm_at_4 = Evidence(supported_step=4, holders_by_step={4: {"x"}})
-    assert p._catch_up(3, swarm_at_4) is None  # its last round is still to run: it may be in it
-    assert p._catch_up(3, swarm_at_4, then=4) is None  # its verified last round brings it to the end too
-    assert p._catch_up(3, swarm_at_4, then=3) == "the final state"  # late for the last round
+    assert p.catch_up(3, swarm_at_4) is None  # its last round is still to run: it may be in it
+    assert p.catch_up(3, swarm_at_4, then=4) is None  # its verified last round brings it to the end too
+    assert p.catch_up(3, swarm_at_4, then=3) == "the final state"  # late for the last round
     assert asked == [{"min_step": 4, "reason": "lagging", "candidates": ["x"]}]
     p.cfg.max_outer_steps = 10
-    assert p._catch_up(3, swarm_at_4, then=3) is None  # not the end: it meets the next round
+    assert p.catch_up(3, swarm_at_4, then=3) is None  # not the end: it meets the next round
     p.cfg.max_outer_steps = 0
-    assert p._catch_up(3, swarm_at_4, then=3) is None  # no planned end
-    assert p._catch_up(2, swarm_at_4) == "the final state"  # two steps behind: lagging, as before
+    assert p.catch_up(3, swarm_at_4, then=3) is None  # no planned end
+    assert p.catch_up(2, swarm_at_4) == "the final state"  # two steps behind: lagging, as before
 
 
 def test_after_its_one_canonical_download_a_finisher_follows_only_a_strict_majority():
-    # StateSync._end_on_one_model: a newcomer's grid run ended with five peers on one θ_global and the
+    # StateSync.end_on_one_model: a newcomer's grid run ended with five peers on one θ_global and the
     # sixth alone on the state they had just left (each had judged the canonical state a moment apart).
     from diloco_swarm.node.canonical import majority_holders
 
@@ -130,12 +130,10 @@ def _finisher(monkeypatch, reads: list[dict[str, str]], first_choice: list[str])
     (peer -> the digest it holds at step 10, or its (outer step, digest)) and whose canonical judgement
     picks ``first_choice``;
     :returns: (the node, the candidates of each diverged download it made)."""
-    import diloco_swarm.dht.records as records_mod
-    import diloco_swarm.node.redial as redial_mod
     import diloco_swarm.node.statesync as statesync_mod
     from collections import deque
 
-    from diloco_swarm.node.runner import Node
+    from diloco_swarm.node.statesync import StateSync
     from diloco_swarm.node.swarm_view import SwarmView
 
     seen: list[dict[str, str]] = []
@@ -148,19 +146,19 @@ def _finisher(monkeypatch, reads: list[dict[str, str]], first_choice: list[str])
             peer_id=p, outer_step=step, updated=1.0, reachability="public",
             theta_marks=[SimpleNamespace(step=step, digest=g)])) for p, (step, g) in marks.items()]
 
-    monkeypatch.setattr(records_mod, "read_peer_entries", lambda dht, run_id: entries())
-    monkeypatch.setattr(redial_mod, "gone_peers", lambda *a, **kw: set())
+    monkeypatch.setattr(statesync_mod, "read_peer_entries", lambda dht, run_id: entries())
+    monkeypatch.setattr(statesync_mod, "gone_peers", lambda *a, **kw: set())
     clock = [0.0]  # seconds; each wait between reads advances it
     monkeypatch.setattr(statesync_mod, "time", SimpleNamespace(monotonic=lambda: clock[0]))
-    p = Node.__new__(Node)
+    p = StateSync.__new__(StateSync)
     held, downloads = ["X"], []
-    p.client_mode, p.peer_id, p.outer_step, p._ended_in_grid = False, "me", 10, False
+    p.client_mode, p.peer_id = False, "me"
+    p.state = SimpleNamespace(step=10, digest=lambda: held[0], marks=deque())
     p.swarm = SwarmView(me="me")
     p.stop = SimpleNamespace(requested=False, event=SimpleNamespace(wait=lambda s: clock.__setitem__(0, clock[0] + s)))
-    p.stats = SimpleNamespace(phase_eta=1.0, theta_marks=deque())
+    p.stats = SimpleNamespace(phase_eta=1.0)
     p.records = SimpleNamespace(publish_now=lambda: True, interval_s=5.0)
-    p.spec, p.dht, p.status = SimpleNamespace(run_id="r"), None, SimpleNamespace(log=lambda line: None)
-    p._global_digest = lambda: held[0]
+    p.spec, p.dht, p.log = SimpleNamespace(run_id="r"), None, lambda line: None
     p._holders_of_canonical = lambda others, mine, evidence: [q for q in first_choice if q in others]
 
     def sync_state(*, min_step, reason, candidates, attempts):
@@ -168,7 +166,7 @@ def _finisher(monkeypatch, reads: list[dict[str, str]], first_choice: list[str])
         held[0] = seen[-1][candidates[0]]  # the digest its holder showed in the read that chose it
         return True
 
-    p._sync_state, p._evaluate_now = sync_state, lambda: None
+    p.download_and_adopt, p.evaluate_now = sync_state, lambda: None
     return p, held, downloads
 
 
@@ -180,11 +178,11 @@ def test_a_finisher_that_judged_a_moment_before_the_others_follows_them(monkeypa
         {"p0": "X", "p1": "X", "p3": "X", "p4": "X"},
         {"p0": "X", "p1": "X", "p3": "X", "p4": "X"},
     ], first_choice=["p0", "p1"])
-    p._end_on_one_model()
+    p.end_on_one_model()
     assert downloads == [["p0", "p1"], ["p0", "p1", "p3", "p4"]] and held == ["X"]
 
 
 def test_two_finishers_that_swapped_states_do_not_swap_back(monkeypatch):
     p, held, downloads = _finisher(monkeypatch, [{"a": "Y"}, {"a": "X"}], first_choice=["a"])
-    p._end_on_one_model()
+    p.end_on_one_model()
     assert downloads == [["a"]] and held == ["Y"]  # 1 of 2 is no majority: it leaves on Y, as before

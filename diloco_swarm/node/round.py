@@ -42,6 +42,7 @@ class RoundParts:
     """
 
     cfg: Any  # NodeConfig
+    run_id: str
     peer_id: str
     averager: Any  # PseudoGradientAverager
     dht: Any
@@ -50,7 +51,7 @@ class RoundParts:
     log: Callable[[str], None]
     housekeeping: Any  # node.housekeeping.Housekeeping
     swarm: Any  # node.swarm_view.SwarmView
-    history: Any  # node.mixing.ThetaHistory
+    history: Any  # node.global_state.ThetaHistory
     history_floor: int
     stop: Any  # threading.Event: the node is leaving
     overlap: bool
@@ -124,18 +125,20 @@ class Round:
     def _average(self, handoff: Handoff, control: RoundControl) -> RoundOutcome:
         """Decide whom to average with (round_policy), then average Δ with that group."""
         p, own = self.p, handoff.delta  # (fp32 CPU: read by the outer step, never changed)
-        if not self._public_peer_online():
-            # clients cannot form a group among themselves (nobody accepts connections): train solo
-            if not self._warned_no_public:
-                self._warned_no_public = True
-                p.log("warning: no public peer in the swarm, only clients (which cannot reach each other); "
-                      "training solo until a public peer joins. A peer that can accept connections (port "
-                      "forwarded, or a server) lets the swarm average again")
-            return self._skipped(policy.Solo("no public peer: every peer is a client"), own)
         records = self._read_records()
+        if not self._public_peer_online(records):
+            if not self._redial_public_peers():
+                # clients cannot form a group among themselves (nobody accepts connections): train solo
+                if not self._warned_no_public:
+                    self._warned_no_public = True
+                    p.log("warning: no public peer in the swarm, only clients (which cannot reach each other); "
+                          "training solo until a public peer joins. A peer that can accept connections (port "
+                          "forwarded, or a server) lets the swarm average again")
+                return self._skipped(policy.Solo("no public peer: every peer is a client"), own)
+            records = self._read_records()  # a public peer answered the re-dial: read who is there now
         p.swarm.note(records)  # fresh for the phase that follows this round (a re-sync aims at the swarm's hand-off)
         donors = bool(p.averager.donors())
-        alone = not (donors or set(records) - {p.peer_id})
+        alone = policy.nobody_online(records, me=p.peer_id, donors=donors)
         early = policy.before_plan(records, me=p.peer_id, donors=donors, overlap=p.overlap,
                                    max_outer_steps=p.cfg.max_outer_steps)
         if early is not None:
@@ -259,16 +262,21 @@ class Round:
     def _read_records(self) -> dict[str, Any]:
         """The run's signed peer records (dht/records.py).
         :raises ChildUnavailable: the DHT did not answer in time (the round then fails)."""
-        return read_peer_records(self.p.dht, self.p.cfg.spec.run_id)
+        return read_peer_records(self.p.dht, self.p.run_id)
 
-    def _public_peer_online(self) -> bool:
-        """Whether a group can form for us: always for a full peer; a client needs a public peer."""
+    def _public_peer_online(self, records: dict[str, Any]) -> bool:
+        """Whether a group can form for us: always for a full peer; a client needs a public peer
+        (a state donor, or a record that is not a client's)."""
         p = self.p
         if not p.client_mode or p.averager.donors():
             return True
-        if any(q != p.peer_id and r.reachability != "client" for q, r in self._read_records().items()):
-            return True
-        now = time.monotonic()
+        return any(q != p.peer_id and r.reachability != "client" for q, r in records.items())
+
+    def _redial_public_peers(self) -> bool:
+        """A client with no public peer online re-dials its ``--initial-peers``, at most every
+        :data:`REBOOTSTRAP_EVERY_S` (they may be back, restarted at the same address).
+        :returns: whether a state donor is announced now."""
+        p, now = self.p, time.monotonic()
         if p.cfg.initial_peers and now - self._last_rebootstrap > REBOOTSTRAP_EVERY_S:
             # the public peers may be back (restarted at the same address): dial them again
             self._last_rebootstrap = now

@@ -90,6 +90,12 @@ def seconds_to_handoff(phase_eta: float, now: float, *, silent_s: float, max_sil
     return phase_eta - now if phase_eta > 0.0 else 0.0
 
 
+def nobody_online(records: Mapping[str, Any], *, me: str, donors: bool) -> bool:
+    """No other peer online: no record but ours, and no state donor announced. A round then ends
+    alone (``RoundOutcome.alone``), and its own Δ is applied (:func:`settle`)."""
+    return not donors and not set(records) - {me}
+
+
 def before_plan(records: Mapping[str, Any], *, me: str, donors: bool, overlap: bool,
                 max_outer_steps: int) -> Solo | Skip | None:
     """The round's first decision, from one read of the records (peer id -> record, ours included)
@@ -98,10 +104,10 @@ def before_plan(records: Mapping[str, Any], *, me: str, donors: bool, overlap: b
     In blocking mode a peer with nobody online still looks for a group (a peer that starts at the
     same moment may come); in overlap mode it does not wait out the window."""
     others = [r for p, r in records.items() if p != me]
-    if overlap and not (donors or others):
+    if overlap and nobody_online(records, me=me, donors=donors):
         return Solo("no other peer online")
     if 0 < max_outer_steps and others and all(r.outer_step >= max_outer_steps and r.phase_eta <= 0 for r in others):
-        # they finished the run without us and wait to serve their state (StateSync._end_on_one_model)
+        # they finished the run without us and wait to serve their state (StateSync.end_on_one_model)
         return Skip("the other peers finished the run (--max-outer-steps) without us")
     return None
 

@@ -12,9 +12,10 @@
 ``--sync-mode blocking`` waits for each round instead.
 
 Where the rest lives: the round on the averaging thread in node/round.py (:meth:`Round.run`), its
-decisions in node/round_policy.py (applied here by :meth:`Node._apply_round`); start-up and leave in
-node/startup.py; state sync in node/statesync.py; the node's collaborators (checkpoint writer,
-housekeeping, evaluation, supervisor, DyLU) each in its own module; the counters in node/stats.py.
+decisions in node/round_policy.py (applied here by :meth:`Node._apply_round`); θ_global and its outer
+step in node/global_state.py; start-up and leave in node/startup.py; the node's other collaborators
+(state sync, θ-mixing, checkpoint writer, housekeeping, evaluation, supervisor, DyLU) each in its own
+module; the counters in node/stats.py.
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ from diloco_swarm.node.config import NodeConfig
 from diloco_swarm.node.evaluation import Evaluation
 from diloco_swarm.node.errors import Diverged, NodeError  # noqa: F401  (re-exported: cli maps NodeError to exit 2)
 from diloco_swarm.node.housekeeping import Housekeeping
-from diloco_swarm.node.mixing import Mixing, ThetaHistory
+from diloco_swarm.node.global_state import GlobalState, ThetaHistory
+from diloco_swarm.node.mixing import ThetaMixer
 from diloco_swarm.node.outer_sync import Carried, Handoff, OuterSync, Preview, RoundOutcome
 from diloco_swarm.node.report import MetricsWriter, StatusLine, round_fields
 from diloco_swarm.node.round import Round
 from diloco_swarm.node.signals import StopFlag
 from diloco_swarm.node.startup import Startup
-from diloco_swarm.node.statesync import StateSync, theta_digest
+from diloco_swarm.node.statesync import StateSync
 from diloco_swarm.node.stats import NodeStats
 from diloco_swarm.node.swarm_view import SwarmView
 from diloco_swarm.node.watchdog import PartLost, Supervisor
@@ -55,7 +57,7 @@ SWARM_REFRESH_S = 5.0  # a phase planned before we knew our speed re-reads the s
 GRID_DIMS_GUESS = 3  # with --target-group-size set, keep mixing references for a grid this deep until one is planned
 
 
-class Node(Startup, StateSync, Mixing):
+class Node(Startup):
     """One DiLoCo peer. Build with a :class:`NodeConfig`, then :meth:`run`."""
 
     def __init__(self, config: NodeConfig, status: StatusLine | None = None):
@@ -79,7 +81,10 @@ class Node(Startup, StateSync, Mixing):
         self.client_mode = config.client_mode  # may switch on at start when we are unreachable
         self.reachability = "client" if config.client_mode else "unverified"  # public | unverified | client
         self.maddrs: list[str] = []  # where others can dial us (empty until the DHT runs)
-        self._state_lock = threading.Lock()  # θ_global is read by the donation thread
+        self._state_lock = threading.Lock()  # θ_global is read by the donation thread (GlobalState.lock)
+        self.state: GlobalState | None = None  # θ_global, its momentum and outer step (node/global_state.py), built at start
+        self.state_sync: StateSync | None = None  # join sync, reconcile, the end of a run (node/statesync.py), built at start
+        self.mixer: ThetaMixer | None = None  # θ-mixing (node/mixing.py), built at start
         self.sync: OuterSync | None = None
         self.checkpoints = CheckpointWriter(config.state_dir, state=self._checkpoint_state, lock=self._state_lock,
                                             metrics=self.metrics, log=self.status.log, stop=self.stop)
@@ -87,8 +92,7 @@ class Node(Startup, StateSync, Mixing):
         self.supervisor = Supervisor(self.stop, self.status.log)  # exit 3 when the DHT or averager dies (node/watchdog.py)
         self.housekeeping = Housekeeping(stats=self.stats, swarm=self.swarm, log=self.status.log, stop=self.stop.event)
         self.round: Round | None = None  # the averaging thread's side of the outer step (node/round.py), built at start
-        self._digest_cache: tuple[int, str] | None = None  # (θ_global's write generation, digest)
-        # earlier θ_global states: θ-mixing references (node/mixing.py); a set group size plans a grid from the start
+        # earlier θ_global states: θ-mixing references (node/global_state.py); a set group size plans a grid from the start
         self._history_floor = history_length(GRID_DIMS_GUESS) if config.target_group_size else 1
         self.history = ThetaHistory(self._history_floor)
         self.evaluate = Evaluation(config.eval_budget, self.stats)  # held-out loss of θ_global (node/evaluation.py)
@@ -127,7 +131,8 @@ class Node(Startup, StateSync, Mixing):
                                 f"'{self.spec.run_id}' was online), but it saw {len(self.swarm.recent_peers)} other peer(s) "
                                 "in the last 2 minutes: they may have ended on another θ_global (compare theta_digest "
                                 "in the metrics files). The others wait at the end for a peer behind only while its process answers")
-                        self._end_on_one_model()  # peers late for the last round, or on another θ_global, take ours
+                        # peers late for the last round, or on another θ_global, take ours
+                        self.state_sync.end_on_one_model(in_grid=self._ended_in_grid)
                         break
                     self._apply_round(wait=True)  # the last round: nothing left to overlap it with
                     continue
@@ -248,12 +253,12 @@ class Node(Startup, StateSync, Mixing):
         self.stats.tokens_per_s = tokens / max(inner_s, 1e-9)
         self._status(inner_step=steps, phase_steps=target, loss=sum(losses[-20:]) / len(losses[-20:]),
                      tokens_per_s=self.stats.tokens_per_s)
-        return self._handoff(tokens=tokens, steps=steps, inner_s=inner_s, loss=sum(losses) / len(losses))
+        return self._phase_handoff(tokens=tokens, steps=steps, inner_s=inner_s, loss=sum(losses) / len(losses))
 
-    def _handoff(self, *, tokens: int, steps: int, inner_s: float, loss: float) -> Handoff:
+    def _phase_handoff(self, *, tokens: int, steps: int, inner_s: float, loss: float) -> Handoff:
         """Δ = θ_global − θ_local of the phase that just ended, with the late rounds it carries.
         :raises Diverged: the pseudo-gradient is not finite."""
-        delta = self.outer.pseudo_gradient(self.params)
+        delta = self.state.outer.pseudo_gradient(self.params)
         if finite_norm(delta) is None:
             raise Diverged(
                 f"training diverged at outer step {self.outer_step}: the pseudo-gradient has non-finite "
@@ -263,8 +268,8 @@ class Node(Startup, StateSync, Mixing):
             )
         carried, self._carried = self._carried, None  # Δ already holds it: θ_local kept the late rounds' work
         return Handoff(delta=delta, tokens=tokens + (carried.tokens if carried else 0), inner_steps=steps,
-                       inner_s=inner_s, loss=loss, outer_step=self.outer_step, theta_digest=self._global_digest(),
-                       marks=self._reference_marks(), started=time.monotonic(), carried=carried)
+                       inner_s=inner_s, loss=loss, outer_step=self.outer_step, theta_digest=self.state.digest(),
+                       marks=self.state.reference_marks(), started=time.monotonic(), carried=carried)
 
     def _inner_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One AdamW step on one batch ([B, T] int64 inputs and targets); returns its loss (nats/token)."""
@@ -333,16 +338,17 @@ class Node(Startup, StateSync, Mixing):
                 preview.first_at = preview.first_at or time.monotonic()
             preview.read += 1
 
-    def _global_digest(self) -> str:
-        """Digest of θ_global, computed once per change (sha256 over every parameter is not free);
-        kept only when no write began while it was computed."""
-        generation = int(self.outer.generation.item())
-        if self._digest_cache is not None and self._digest_cache[0] == generation:
-            return self._digest_cache[1]
-        digest = theta_digest(self.outer.theta)
-        if int(self.outer.generation.item()) == generation:
-            self._digest_cache = (generation, digest)
-        return digest
+    @property
+    def outer_step(self) -> int:
+        """The outer step θ_global is at (0 until the training state is built)."""
+        return self.state.step if self.state is not None else 0
+
+    def _state_for_donation(self):
+        """The averager's ``state_provider``: the live state it streams to a joiner (``GlobalState.for_donation``).
+        :raises RuntimeError: the training state is not built yet (start-up): the asker tries another donor."""
+        if self.state is None:
+            raise RuntimeError("this peer is still starting up")
+        return self.state.for_donation(self.spec.spec_hash(), self.peer_id)
 
     def _round_metadata(self, handoff: Handoff) -> dict[str, Any]:
         """What the group's members gather from us: the θ_global we started the round from."""
@@ -370,19 +376,16 @@ class Node(Startup, StateSync, Mixing):
         decision = policy.settle(outcome, handoff.carried.rounds if handoff.carried else 0)
         match decision:
             case policy.AdoptMixed():  # the members started from different θ_global and mixed them
-                self._adopt_mixed(outcome.mixed, handoff, estimate)
+                self.mixer.adopt(outcome.mixed, handoff, estimate, self.sync)
             case policy.AdoptState(carry=carry, wasted=wasted):  # the canonical θ_global of the group or swarm
-                self._adopt_state(outcome.state, handoff=handoff, estimate=estimate, carry=carry)
+                self.state_sync.adopt(outcome.state, handoff=handoff, estimate=estimate, carry=carry)
                 if wasted:
                     self.stats.wasted_inner_s += handoff.work_s  # replaced by a state that may not include it
             case policy.Apply():  # a verified average, or our own Δ
-                with self._writing_state():
-                    self._remember_theta()
+                with self.state.moving_to(self.outer_step + 1):
                     self.sync.apply(outcome.average, estimate)
-                    self.outer_step += 1
-                self.stats.theta_marks.append((self.outer_step, self._global_digest()))
             case policy.Hold():  # late: θ_global stays, θ_local keeps Δ for the next round
-                with self._state_lock:
+                with self.state.lock:
                     self.sync.hold(handoff.delta, estimate)
                 round_step = self.outer_step
         if decision.carry:
@@ -399,7 +402,7 @@ class Node(Startup, StateSync, Mixing):
         self.checkpoints.write_in_background()
         if not self.client_mode:
             self.averager.state_sharing_priority = self._donor_priority()
-        self.evaluate(self.outer.theta, self.outer_step, force=0 < self.cfg.max_outer_steps <= self.outer_step)
+        self.evaluate(self.state.theta, self.outer_step, force=0 < self.cfg.max_outer_steps <= self.outer_step)
         self.metrics.write({**self._round_record(handoff, outcome, round_step),
                             "applied_at_inner_step": during_inner_step, "late": late})
         self.housekeeping.upkeep_soon()
@@ -415,12 +418,12 @@ class Node(Startup, StateSync, Mixing):
                 "sync_mode": self.spec.sync_mode, "compression": self.spec.compression,
                 **round_fields(handoff, outcome, self._preview), "eval_loss": self.stats.eval_loss,
                 "eval_outer_step": self.stats.eval_outer_step, "reachability": self.reachability,
-                "theta_digest": self._global_digest(), **self.stats.totals()}
+                "theta_digest": self.state.digest(), **self.stats.totals()}
 
     def _evaluate_now(self) -> None:
         """Held-out loss of θ_global now (at the start, after a state adopted at the end): an ``eval``
         metrics event and a line."""
-        self.evaluate(self.outer.theta, self.outer_step, force=True)
+        self.evaluate(self.state.theta, self.outer_step, force=True)
         self.metrics.write({"event": "eval", "peer_id": self.peer_id, "outer_step": self.outer_step,
                             "eval_loss": self.stats.eval_loss})
         self.status.log(f"held-out loss at outer step {self.outer_step}: {self.stats.eval_loss:.4f}")
@@ -436,7 +439,7 @@ class Node(Startup, StateSync, Mixing):
             "outer_step": self.outer_step,
             "inner_steps_total": self.stats.inner_steps_total,
             "tokens_total": self.stats.tokens_total,
-            "outer": self.outer.state_dict(),
+            "outer": self.state.outer.state_dict(),
         }
 
     def _record_snapshot(self) -> dict[str, Any]:

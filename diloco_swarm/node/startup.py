@@ -23,11 +23,13 @@ from diloco_swarm.models import num_parameters
 from diloco_swarm.node.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, remove_stale_temp_files
 from diloco_swarm.node.dylu import PhasePlanner
 from diloco_swarm.node.errors import NodeError
+from diloco_swarm.node.global_state import GlobalState, theta_digest
 from diloco_swarm.node.inner import build_inner_optimizer
+from diloco_swarm.node.mixing import ThetaMixer
 from diloco_swarm.node.outer import OuterOptimizer
 from diloco_swarm.node.outer_sync import OuterSync
 from diloco_swarm.node.round import Round, RoundParts
-from diloco_swarm.node.statesync import theta_digest
+from diloco_swarm.node.statesync import StateSync
 
 ROUND_MARGIN_S = 30.0  # past the round's own time bounds, a phase gives the round up
 
@@ -91,7 +93,7 @@ class Startup:
         self.supervisor.start(self.dht, self.averager, self._redial_known)
         self.stop.training = True
         self._wait_for_peers()
-        self._join_sync()
+        self.state_sync.join()
         if self.stop.requested:
             return True  # the loop does not start; the leave writes the stop event
         self._evaluate_now()
@@ -169,10 +171,11 @@ class Startup:
             raise NodeError(
                 f"--seq-len {spec.seq_len} exceeds the '{spec.model}' model's context of {model_shape.config.block_size}"
             )
-        self.outer_step = 0
         self.phases = PhasePlanner(spec.inner_steps)  # DyLU: inner steps per phase
-        # a round ends by itself within: the averaging window, the all-reduce, the digest confirmation
-        self.round_deadline_s = cfg.averaging_window + cfg.allreduce_timeout + DIGEST_WAIT_S + ROUND_MARGIN_S
+        # a round ends by itself within: a wait for the swarm to reach our step and the averaging window
+        # (each at most --averaging-window: Round._wait_for_swarm, then matchmaking), the all-reduce, the
+        # digest confirmation
+        self.round_deadline_s = 2 * cfg.averaging_window + cfg.allreduce_timeout + DIGEST_WAIT_S + ROUND_MARGIN_S
 
         from diloco_swarm.dht.publisher import PeerRecordPublisher
         from diloco_swarm.dht.signing import record_validators
@@ -229,12 +232,19 @@ class Startup:
         self.records.start()
         self.swarm.me = self.peer_id
         self.housekeeping.start(spec, self.dht, self.records, self._remember_peers)
+        self.state_sync = StateSync(
+            self.state, sync=self.sync, params=self.params, averager=self.averager, dht=self.dht, spec=spec, cfg=cfg,
+            peer_id=self.peer_id, client_mode=self.client_mode, stats=self.stats, metrics=self.metrics,
+            records=self.records, swarm=self.swarm, checkpoints=self.checkpoints, evaluate_now=self._evaluate_now,
+            stop=self.stop, log=self.status.log)
+        self.mixer = ThetaMixer(self.state, averager=self.averager, peer_id=self.peer_id, stats=self.stats,
+                                supported_step=lambda: self.state_sync.evidence().supported_step, log=self.status.log)
         self.round = Round(RoundParts(
-            cfg=cfg, peer_id=self.peer_id, averager=self.averager, dht=self.dht, records=self.records, stats=self.stats,
-            log=self.status.log, housekeeping=self.housekeeping, swarm=self.swarm, history=self.history,
+            cfg=cfg, run_id=spec.run_id, peer_id=self.peer_id, averager=self.averager, dht=self.dht,
+            records=self.records, stats=self.stats, log=self.status.log, housekeeping=self.housekeeping, swarm=self.swarm, history=self.history,
             history_floor=self._history_floor, stop=self.stop.event, overlap=self.sync.overlap,
-            client_mode=self.client_mode, metadata=self._round_metadata, catch_up=self._catch_up,
-            reconcile=self._reconcile, mix=self._mix))
+            client_mode=self.client_mode, metadata=self._round_metadata, catch_up=self.state_sync.catch_up,
+            reconcile=self.state_sync.reconcile, mix=self.mixer.mix))
         phase("record")
         if self.stop.requested:  # a stop came while we started: no banner, no start record (Node._start says so)
             return
@@ -272,18 +282,19 @@ class Startup:
         spec, cfg = self.spec, self.cfg
         self.model = self.assets.build_model().to(self.device)
         self.params = list(self.model.parameters())
-        self.outer = OuterOptimizer(self.params, lr=spec.outer_lr, momentum=spec.outer_momentum)
+        outer = OuterOptimizer(self.params, lr=spec.outer_lr, momentum=spec.outer_momentum)
         if cfg.target_group_size:  # a grid run: θ_0, before any checkpoint, is every member's last-resort mixing reference
-            self.history.anchor_on((0, theta_digest(self.outer.theta)), self.outer.theta)
-        self.sync = OuterSync(self.outer, self.params, lambda handoff, control: self.round.run(handoff, control),
+            self.history.anchor_on((0, theta_digest(outer.theta)), outer.theta)
+        self.state = GlobalState(outer, lock=self._state_lock, history=self.history, marks=self.stats.theta_marks,
+                                 averager=self.averager, log=self.status.log)
+        self.sync = OuterSync(outer, self.params, lambda handoff, control: self.round.run(handoff, control),
                               overlap=spec.sync_mode == "overlap", stop=self.stop.event)
         self.inner_opt = build_inner_optimizer(cfg.inner_optimizer, self.params, lr=spec.inner_lr)
         if checkpoint is not None:
             self._restore(checkpoint)
             self.checkpoints.on_disk = self.outer_step
             self.stop.has_checkpoint = True
-            # the state we hold: with another holder's record, evidence for a joiner (node/statesync.py)
-            self.stats.theta_marks.append((self.outer_step, theta_digest(self.outer.theta)))
+            self.state.mark()  # the state we hold: with another holder's record, evidence for a joiner
 
     def _start_dht_or_rejoin(self, dht_args: dict[str, Any]):
         """Start the DHT through ``--initial-peers``; without them, through the peers this node saw
@@ -405,8 +416,8 @@ class Startup:
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
         try:
-            self.outer.load_state_dict(ckpt["outer"])  # (format 1's inner optimizer state is not used)
-            self.outer_step = int(ckpt["outer_step"])
+            self.state.outer.load_state_dict(ckpt["outer"])  # (format 1's inner optimizer state is not used)
+            self.state.step = int(ckpt["outer_step"])
             self.stats.inner_steps_total = int(ckpt["inner_steps_total"])
             self.stats.tokens_total = int(ckpt["tokens_total"])
             counters = {"outer_step": self.outer_step, "inner_steps_total": self.stats.inner_steps_total,
@@ -419,12 +430,12 @@ class Startup:
                 f"checkpoint {checkpoint_path(self.cfg.state_dir)} does not fit this model ({e}); "
                 "move it away to start fresh"
             ) from None
-        if not all(torch.isfinite(t).all() for t in self.outer.theta + self.outer.momentum_buffers()):
+        if not all(torch.isfinite(t).all() for t in self.state.theta + self.state.outer.momentum_buffers()):
             raise CheckpointError(
                 f"checkpoint {checkpoint_path(self.cfg.state_dir)} holds non-finite values; move it away to start "
                 "fresh (a peer of the run then serves its state)"
             )
-        self.outer.copy_to(self.params)
+        self.state.outer.copy_to(self.params)
 
     def _wait_for_peers(self) -> None:
         """Optional start barrier (``--wait-for-peers N``): wait until N peers, us included, are up."""

@@ -1,35 +1,34 @@
 """State sync: a peer's θ_global, outer momentum and outer step, downloaded and adopted.
 
-- **Join sync**: a late joiner adopts the state of the most advanced peer (`_join_sync`).
+- **Join sync**: a late joiner adopts the state of the most advanced peer (:meth:`StateSync.join`).
 - **Reconcile**: after a round, the members that started it from a θ_global other than the
   canonical one download the canonical state, and a peer more than one outer step behind the
-  swarm downloads the newest (`_reconcile`, on the averaging thread; the training thread adopts it).
-- **Donation**: this peer serves its live state, copied only before a write meanwhile (`_state_for_donation`).
+  swarm downloads the newest (:meth:`StateSync.reconcile`, on the averaging thread; the training
+  thread adopts it, :meth:`StateSync.adopt`).
+- **The end of a run**: a finisher serves its state to the peers still behind
+  (:meth:`StateSync.end_on_one_model`).
 
-A mixin of :class:`diloco_swarm.node.runner.Node`: it uses the node's θ_global (``outer``),
-averager, run spec, lock and reports. Every payload comes from an untrusted peer and is checked
-against the run spec before anything changes. Which state the swarm's records back, and which one a
+The state this peer donates is read from ``GlobalState.for_donation`` (node/global_state.py). Every
+payload comes from an untrusted peer and is checked against the run spec before anything changes. Which state the swarm's records back, and which one a
 round's members settle on, are the pure rules of ``node/canonical.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from diloco_swarm.averaging.donation import StateSeal
-from diloco_swarm.averaging.results import tensors_digest
+from diloco_swarm.dht.records import live_records, read_peer_entries
 from diloco_swarm.node.canonical import Evidence, canonical_state, gather_evidence, majority_holders
-from diloco_swarm.node.redial import dial_peers
+from diloco_swarm.node.global_state import GlobalState, theta_digest
+from diloco_swarm.node.redial import dial_peers, gone_peers
 
 MAX_DONOR_TRIES = 4
 STATE_CHUNK_TIMEOUT_S = 10.0
-FREEZE_WAIT_S = 10.0  # for the averager process to copy a state it is donating, before we write ours
 EVIDENCE_RETRY_S = 0.5  # a fresh round's output may take a moment to reach its members' records
 FINISH_LINGER_S = 120.0  # at --max-outer-steps, a node serves its state this long at most to peers still behind
 LINGER_POLL_S = 1.0  # ... and re-reads their records this often
@@ -55,35 +54,33 @@ class DownloadedState:
 
 
 class StateSync:
-    """Join sync, reconcile and state donation of a :class:`~diloco_swarm.node.runner.Node`."""
+    """Join sync, reconcile, catch-up and the end-of-run wait of one node (see the module docstring).
 
-    def _state_for_donation(self) -> tuple[dict[str, Any], list[torch.Tensor], StateSeal]:
-        """(metadata, the live θ_global + outer momentum tensors, their seal), read under the state
-        lock: the averager process streams them as they are, and copies them only when we are about
-        to write them (:meth:`_writing_state`, averaging/donation.py).
-        :raises RuntimeError: the training state is not built yet (start-up): the asker tries another donor."""
-        if getattr(self, "outer", None) is None:
-            raise RuntimeError("this peer is still starting up")
-        with self._state_lock:
-            seal = StateSeal(self.outer.generation, int(self.outer.generation.item()))
-            meta = {"outer_step": self.outer_step, "spec_hash": self.spec.spec_hash(),
-                    "theta_digest": self._global_digest(), "peer_id": self.peer_id}
-            return meta, self.outer.theta + self.outer.momentum_buffers(), seal
+    :param state: this node's θ_global (node/global_state.py).
+    :param sync: θ_local's side of the outer step (``OuterSync``): a state adopted after a round keeps
+        θ_local's progress since the hand-off.
+    :param params: the model's parameters (θ_local): a state adopted before training is copied there.
+    :param averager: downloads states and lists the donors (``PseudoGradientAverager``).
+    :param records: our record's publisher (a state adopted at the end is published at once).
+    :param swarm: the others as their records say (``SwarmView``: the peers seen lately).
+    :param checkpoints: the checkpoint writer (a state adopted before training is written at once).
+    :param evaluate_now: held-out loss of θ_global now, with its line (after a state adopted at the end).
+    :param stop: the node's ``StopFlag``.
+    """
 
-    @contextlib.contextmanager
-    def _writing_state(self):
-        """The state lock, for a change of θ_global or the momentum: a donation streaming them goes on
-        from a copy the averager process makes first (averaging/donation.py); past
-        :data:`FREEZE_WAIT_S` the write goes ahead and such a stream ends (the asker tries again)."""
-        with self._state_lock:
-            if self.averager is not None and self.averager.donating():
-                if not self.averager.freeze_donations(int(self.outer.generation.item()), timeout=FREEZE_WAIT_S):
-                    self.status.log("a state donation in progress was cut: the averager did not copy the state in time")
-            yield
+    def __init__(self, state: GlobalState, *, sync: Any, params: list[torch.Tensor], averager: Any, dht: Any,
+                 spec: Any, cfg: Any, peer_id: str, client_mode: bool, stats: Any, metrics: Any, records: Any,
+                 swarm: Any, checkpoints: Any, evaluate_now: Callable[[], None], stop: Any,
+                 log: Callable[[str], None]):
+        self.state, self.sync, self.params, self.averager, self.dht = state, sync, params, averager, dht
+        self.spec, self.cfg, self.peer_id, self.client_mode = spec, cfg, peer_id, client_mode
+        self.stats, self.metrics, self.records, self.swarm = stats, metrics, records, swarm
+        self.checkpoints, self.evaluate_now, self.stop, self.log = checkpoints, evaluate_now, stop, log
+        self._unsupported_claims: set[str] = set()  # peers warned of once (:meth:`_warn_unsupported`)
 
-    def _check_state(self, meta: Any, tensors: list[torch.Tensor], min_step: int) -> str | None:
+    def _check(self, meta: Any, tensors: list[torch.Tensor], min_step: int) -> str | None:
         """Why a downloaded state is unusable, or None. The donor is untrusted."""
-        n = len(self.outer.theta)
+        n = len(self.state.theta)
         if not isinstance(meta, dict):
             return "no metadata"
         if meta.get("spec_hash") != self.spec.spec_hash():
@@ -93,7 +90,7 @@ class StateSync:
             return f"its outer step {step!r} is older than {min_step}"
         if len(tensors) != 2 * n:
             return f"{len(tensors)} tensors instead of {2 * n}"
-        for t, ref in zip(tensors, self.outer.theta + self.outer.theta):
+        for t, ref in zip(tensors, self.state.theta + self.state.theta):
             if t.shape != ref.shape or t.dtype != torch.float32:
                 return "tensor shapes or dtypes differ from this model"
             if not torch.isfinite(t).all():
@@ -102,7 +99,7 @@ class StateSync:
             return "θ_global does not match its digest"
         return None
 
-    def _join_sync(self) -> None:
+    def join(self) -> None:
         """Late joiner: adopt the state of the most advanced peer if it is ahead of ours (not once a
         stop was requested: the node leaves with the state it has)."""
         if not self.cfg.initial_peers or self.stop.requested:
@@ -120,29 +117,27 @@ class StateSync:
             time.sleep(1.0)
             donors = self.averager.donors()
         if not donors:
-            self.status.log(f"warning: this node sees no other peer of run '{self.spec.run_id}' yet; check "
+            self.log(f"warning: this node sees no other peer of run '{self.spec.run_id}' yet; check "
                             "--run-id and --initial-peers. Training alone until peers appear; starting from "
-                            + ("our checkpoint" if self.outer_step else "the initial weights"))
+                            + ("our checkpoint" if self.state.step else "the initial weights"))
             return
-        evidence = self._evidence()
+        evidence = self.evidence()
         newest = evidence.supported_step
-        if newest <= self.outer_step:
+        if newest <= self.state.step:
             return
-        synced = self._sync_state(min_step=newest, reason="join", attempts=3, candidates=evidence.donors_at(newest))
+        synced = self.download_and_adopt(min_step=newest, reason="join", attempts=3, candidates=evidence.donors_at(newest))
         if not synced and not self.stop.requested:  # a stop cuts the download short: nothing to report
-            self.status.log(f"could not download the swarm's state (outer step {newest}); "
-                            f"continuing from outer step {self.outer_step}")
+            self.log(f"could not download the swarm's state (outer step {newest}); "
+                            f"continuing from outer step {self.state.step}")
 
-    def _evidence(self) -> Evidence:
+    def evidence(self) -> Evidence:
         """:func:`gather_evidence` from a fresh read of the swarm's signed records."""
-        from diloco_swarm.dht.records import read_peer_entries
-
-        return gather_evidence(read_peer_entries(self.dht, self.spec.run_id), self.peer_id, self.outer_step,
-                               self.stats.theta_marks.copy())
+        return gather_evidence(read_peer_entries(self.dht, self.spec.run_id), self.peer_id, self.state.step,
+                               self.state.marks.copy())
 
 
 
-    def _reconcile(self, gathered: dict[str, Any], mine: tuple[int, str], applied: bool = True) -> "DownloadedState | None":
+    def reconcile(self, gathered: dict[str, Any], mine: tuple[int, str], applied: bool = True) -> "DownloadedState | None":
         """After a round: if the group's members started it from different θ_global, the
         members not holding the canonical one (among the states the swarm's records back and a
         member can donate: newest outer step, then vouched, then most members, then digest order)
@@ -159,7 +154,7 @@ class StateSync:
             ):
                 entries[peer] = (meta["outer_step"], meta["theta_digest"])
         entries[self.peer_id] = mine
-        evidence = self._evidence()
+        evidence = self.evidence()
         newest = evidence.supported_step
         if len(set(entries.values())) > 1:
             for peer, entry in entries.items():
@@ -171,14 +166,14 @@ class StateSync:
                 holders = [p for p, e in entries.items() if e == canonical and p not in evidence.clients]
                 # behind the canonical outer step: a late peer, not a lineage of its own
                 reason = "lagging" if canonical[0] > mine[0] else "diverged"
-                state = self._download_state(min_step=canonical[0] + int(applied), reason=reason,
+                state = self.download(min_step=canonical[0] + int(applied), reason=reason,
                                              candidates=holders, attempts=6)
                 if state is not None:
                     state.includes_round = True
                 return state
-        return self._catch_up(mine[0], evidence, then=mine[0] + int(applied))
+        return self.catch_up(mine[0], evidence, then=mine[0] + int(applied))
 
-    def _catch_up(self, step: int, evidence: Evidence | None = None, *,
+    def catch_up(self, step: int, evidence: Evidence | None = None, *,
                   then: int | None = None) -> "DownloadedState | None":
         """The newest state the swarm's records back, downloaded, when it is more than one outer step
         ahead of ``step`` (a lagging peer: its whole group, or its lone round, fell behind), else None.
@@ -187,22 +182,22 @@ class StateSync:
         (None while it is still to run). The swarm's state is then also taken when it has reached our
         ``--max-outer-steps`` ahead of ``then``: a peer late for the last round has no next round to
         meet the others in, and would end the run alone on its own θ_global (the finishers wait for it:
-        :meth:`_end_on_one_model`)."""
-        evidence = evidence or self._evidence()
+        :meth:`end_on_one_model`)."""
+        evidence = evidence or self.evidence()
         newest = evidence.supported_step
         limit = self.cfg.max_outer_steps
         at_end = then is not None and 0 < limit <= newest and newest > then
         if newest > step + 1 or at_end:
-            return self._download_state(min_step=newest, reason="lagging", candidates=evidence.donors_at(newest))
+            return self.download(min_step=newest, reason="lagging", candidates=evidence.donors_at(newest))
         return None
 
-    def _end_on_one_model(self) -> None:
+    def end_on_one_model(self, in_grid: bool = False) -> None:
         """At the planned end (``--max-outer-steps``): stay online, at most :data:`FINISH_LINGER_S`,
         until every peer of the run holds our θ_global or has left. Our record says we train no more
         (``phase_eta`` 0), so no round waits for us. A client serves no state (nobody can dial it)
         and leaves at once; so does a node asked to stop.
 
-        - **Peers behind** our step download our state (:meth:`_catch_up`) instead of ending alone on
+        - **Peers behind** our step download our state (:meth:`catch_up`) instead of ending alone on
           their own θ_global. We wait for those whose live record is behind, and for the peers we
           saw in the last 2 minutes whose record then expired (3 re-signing periods) while their
           process still answers a ping: a node paused or starved for longer than that, or restarted,
@@ -217,9 +212,6 @@ class StateSync:
           in a grid (groups smaller than the swarm): there the groups' θ_global differ by design
           (θ-mixing keeps them close), and every peer downloading one would swamp its holders.
         """
-        from diloco_swarm.dht.records import live_records, read_peer_entries
-        from diloco_swarm.node.redial import gone_peers
-
         if self.client_mode or self.stop.requested:
             return
         self.stats.phase_eta = 0.0
@@ -240,19 +232,19 @@ class StateSync:
             unread_since = None
             records = live_records(entries)
             others: dict[str, str] = {}  # peer id -> the θ digest it holds at our step, when not ours
-            mine, same = self._global_digest(), 0  # (same: the other peers at our step that hold ours)
+            mine, same = self.state.digest(), 0  # (same: the other peers at our step that hold ours)
             for e in entries:
                 r = e.record
                 if r is None or r.peer_id == self.peer_id or records.get(r.peer_id) is not r:
                     continue
-                if r.outer_step < self.outer_step:
+                if r.outer_step < self.state.step:
                     behind[r.peer_id] = (r.outer_step, e.owner, r.reachability != "client")
                     continue
                 behind.pop(r.peer_id, None)
-                digest = next((m.digest for m in r.theta_marks if m.step == self.outer_step), None)
-                if r.outer_step == self.outer_step and digest not in (None, mine) and not self._ended_in_grid:
+                digest = next((m.digest for m in r.theta_marks if m.step == self.state.step), None)
+                if r.outer_step == self.state.step and digest not in (None, mine) and not in_grid:
                     others[r.peer_id] = digest
-                same += r.outer_step == self.outer_step and digest == mine
+                same += r.outer_step == self.state.step and digest == mine
             farewells = {e.owner for e in entries if e.record is None}
             for p in [p for p in behind if p not in records]:  # its record expired or said goodbye
                 _, owner, askable = behind[p]
@@ -270,7 +262,7 @@ class StateSync:
                     behind.pop(p, None)
             if others:
                 if synced < 1:
-                    evidence = gather_evidence(entries, self.peer_id, self.outer_step, self.stats.theta_marks.copy())
+                    evidence = gather_evidence(entries, self.peer_id, self.state.step, self.state.marks.copy())
                     holders = self._holders_of_canonical(others, mine, evidence)
                 elif synced < MAX_END_SYNCS:
                     # Two peers that judged apart (their reads a moment apart) must not swap states forever,
@@ -284,8 +276,8 @@ class StateSync:
                     others = {}  # ours is no majority either: nobody follows us, nobody to wait for
                 elif holders:
                     synced += 1
-                    if self._sync_state(min_step=self.outer_step, reason="diverged", candidates=holders, attempts=3):
-                        self._evaluate_now()
+                    if self.download_and_adopt(min_step=self.state.step, reason="diverged", candidates=holders, attempts=3):
+                        self.evaluate_now()
                         self.records.publish_now()
                     continue
             if not behind and not others:
@@ -298,28 +290,27 @@ class StateSync:
                 steps = [s for s, _, _ in behind.values() if s is not None]
                 where = (f"behind (outer step {min(steps)})" if steps else
                          "silent (no fresh record) but answering" if behind else
-                         f"on another θ_global at outer step {self.outer_step}")
-                self.status.log(f"{who} still {where}: serving {it} this final state for up to "
+                         f"on another θ_global at outer step {self.state.step}")
+                self.log(f"{who} still {where}: serving {it} this final state for up to "
                                 f"{FINISH_LINGER_S:.0f}s before leaving (Ctrl+C leaves now)")
             self.stop.event.wait(LINGER_POLL_S)
 
     def _holders_of_canonical(self, others: dict[str, str], mine: str, evidence: Evidence) -> list[str]:
         """Of the peers at our outer step that hold another θ_global (``others``: peer id -> digest), those
         holding the canonical one (:func:`canonical_state`) when it is not ours ``mine``; else []."""
-        at_step = {p: (self.outer_step, d) for p, d in others.items()}
-        at_step[self.peer_id] = (self.outer_step, mine)
+        at_step = {p: (self.state.step, d) for p, d in others.items()}
+        at_step[self.peer_id] = (self.state.step, mine)
         canonical = canonical_state(at_step, self.peer_id, evidence, self.averager.donors(), can_donate=True)
         return [] if canonical[1] == mine else [p for p, d in others.items() if d == canonical[1]]
 
     def _warn_unsupported(self, peer: str, step: int) -> None:
         """Name, once per peer, a peer that claims an outer step other peers' signed records do not back."""
-        warned = self.__dict__.setdefault("_unsupported_claims", set())
-        if peer not in warned:
-            warned.add(peer)
-            self.status.log(f"warning: peer {peer} claims outer step {step}, which no other peer's signed record "
+        if peer not in self._unsupported_claims:
+            self._unsupported_claims.add(peer)
+            self.log(f"warning: peer {peer} claims outer step {step}, which no other peer's signed record "
                             "backs; not following it")
 
-    def _download_state(self, *, min_step: int, reason: str, candidates: list[str] | None = None,
+    def download(self, *, min_step: int, reason: str, candidates: list[str] | None = None,
                         attempts: int = 1) -> "DownloadedState | None":
         """Download θ_global, outer momentum and outer step from a live peer (any thread; adopts nothing).
 
@@ -328,13 +319,13 @@ class StateSync:
         against the run spec before use; a failed or bad donor is skipped.
         :returns: the checked state, or None when no donor gave a usable one.
         """
-        max_bytes = 2 * sum(t.numel() for t in self.outer.theta) * 4 + (1 << 20)
+        max_bytes = 2 * sum(t.numel() for t in self.state.theta) * 4 + (1 << 20)
         t0 = time.monotonic()
         ahead: dict[str, str] = {}  # donor -> why the records do not back its state yet (said once, at the end)
         for attempt in range(attempts):
             if self.stop.requested:
                 return None
-            evidence = self._evidence()
+            evidence = self.evidence()
             if candidates is not None:
                 order = [p for p in candidates if p != self.peer_id]
                 random.shuffle(order)
@@ -353,15 +344,15 @@ class StateSync:
                         peer, timeout=STATE_CHUNK_TIMEOUT_S, max_bytes=max_bytes, stop=self.stop.event
                     )
                 except Exception as e:
-                    self.status.log(f"state download from {peer} failed: {_download_problem(e)}")
+                    self.log(f"state download from {peer} failed: {_download_problem(e)}")
                     continue
-                problem = self._check_state(meta, tensors, min_step)
+                problem = self._check(meta, tensors, min_step)
                 if problem is not None:
                     if "older than" not in problem:
-                        self.status.log(f"refused the state of {peer}: {problem}")
+                        self.log(f"refused the state of {peer}: {problem}")
                     continue
                 if evidence.accepts(meta["outer_step"], meta["theta_digest"]) is not None:
-                    evidence = self._evidence()  # the records of a fresh round may just be arriving
+                    evidence = self.evidence()  # the records of a fresh round may just be arriving
                     problem = evidence.accepts(meta["outer_step"], meta["theta_digest"])
                     if problem is not None:
                         ahead[peer] = problem
@@ -371,48 +362,39 @@ class StateSync:
             if attempt + 1 < attempts:
                 time.sleep(EVIDENCE_RETRY_S)
         for peer, problem in ahead.items():
-            self.status.log(f"refused the state of {peer}: {problem}")
+            self.log(f"refused the state of {peer}: {problem}")
         return None
 
-    def _adopt_state(self, state: "DownloadedState", handoff=None, estimate=None, carry: bool = False) -> None:
+    def adopt(self, state: "DownloadedState", handoff=None, estimate=None, carry: bool = False) -> None:
         """θ_global, outer momentum and outer step ← a downloaded state. θ_local ← θ_global before
         training (join sync); after a round (``handoff``, ``estimate``: node/outer_sync.py), θ_local
         keeps its progress since the hand-off, and the hand-off's Δ when ``carry``."""
-        n = len(self.outer.theta)
-        with self._writing_state():
-            before = self.outer_step
-            self._remember_theta()
+        before, n = self.state.step, len(self.state.theta)
+        with self.state.moving_to(state.meta["outer_step"], state.meta["theta_digest"]):
             if handoff is None:
-                self.outer.load_theta_and_momentum(state.tensors[:n], state.tensors[n:])
-                self.outer.copy_to(self.params)
+                self.state.outer.load_theta_and_momentum(state.tensors[:n], state.tensors[n:])
+                self.state.outer.copy_to(self.params)
             else:
                 self.sync.adopt(state.tensors[:n], state.tensors[n:], handoff.delta, estimate, carry=carry)
-            self.outer_step = state.meta["outer_step"]
-        self.stats.theta_marks.append((self.outer_step, state.meta["theta_digest"]))
         self.stats.state_syncs += 1
         self.stats.sync_s += state.seconds
         self.metrics.write({"event": "state_sync", "peer_id": self.peer_id, "donor": state.donor,
-                            "reason": state.reason, "from_outer_step": before, "outer_step": self.outer_step,
+                            "reason": state.reason, "from_outer_step": before, "outer_step": self.state.step,
                             "bytes": state.received, "seconds": round(state.seconds, 3),
                             "theta_digest": state.meta["theta_digest"]})
-        self.status.log(f"state sync ({state.reason}): outer step {before} -> {self.outer_step} from {state.donor} "
-                        f"({state.received / 1e6:.1f} MB in {state.seconds:.1f}s)")
+        self.log(f"state sync ({state.reason}): outer step {before} -> {self.state.step} from {state.donor} "
+                 f"({state.received / 1e6:.1f} MB in {state.seconds:.1f}s)")
 
-    def _sync_state(self, *, min_step: int, reason: str, candidates: list[str] | None = None,
-                    attempts: int = 1) -> bool:
+    def download_and_adopt(self, *, min_step: int, reason: str, candidates: list[str] | None = None,
+                           attempts: int = 1) -> bool:
         """Download a live peer's state and adopt it now (before training: join sync).
         :returns: True when a state was adopted."""
-        state = self._download_state(min_step=min_step, reason=reason, candidates=candidates, attempts=attempts)
+        state = self.download(min_step=min_step, reason=reason, candidates=candidates, attempts=attempts)
         if state is None:
             return False
-        self._adopt_state(state)
+        self.adopt(state)
         self.checkpoints.write_now()
         return True
-
-
-def theta_digest(theta: list[torch.Tensor]) -> str:
-    """sha256 (16 hex digits) of θ_global's fp32 bytes (``averaging.results.tensors_digest``)."""
-    return tensors_digest(theta)
 
 
 def _download_problem(e: BaseException) -> str:
