@@ -109,6 +109,8 @@ def _peer(rank: int, spec: dict[str, Any], addr_q, barrier, res_q) -> None:
     try:
         from hivemind import DHT
 
+        from diloco_swarm.averaging.request import RoundRequest
+
         n, seed, bt = spec["n_peers"], spec.get("seed", 0), spec.get("barrier_timeout", 600.0)
         initial = [] if rank == 0 else addr_q.get(timeout=STARTUP_TIMEOUT_S)
         dht = DHT(start=True, host_maddrs=[f"/ip4/{spec.get('host', '127.0.0.1')}/tcp/0"], initial_peers=initial)
@@ -135,7 +137,8 @@ def _peer(rank: int, spec: dict[str, Any], addr_q, barrier, res_q) -> None:
                     t0 = time.time()
                     timeout = spec.get("round_timeout", 60.0)
                     result, out = (_raw_average(averager, delta, timeout) if raw else
-                                   averager.average(delta, weight=1.0, metadata={"rank": rank}, timeout=timeout))
+                                   averager.average(RoundRequest(
+                                       delta=delta, weight=1.0, metadata={"rank": rank}, timeout=timeout)))
                     t1 = time.time()
                     rel_err = None
                     if result.ok:  # fp32 norms (no fp64 copies: 50M values would cost 400 MB per temporary)

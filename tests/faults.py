@@ -43,6 +43,7 @@ Every ``--fault`` adds one fault (any number; none: an honest node); the other a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import math
 import sys
@@ -61,6 +62,7 @@ from hivemind.proto import averaging_pb2  # noqa: E402
 from diloco_swarm.averaging import averager, codec  # noqa: E402
 from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner  # noqa: E402
 from diloco_swarm.averaging.averager import PseudoGradientAverager  # noqa: E402
+from diloco_swarm.averaging.request import RoundRequest  # noqa: E402
 from diloco_swarm.dht.records import read_peer_records  # noqa: E402
 from diloco_swarm.node import runner  # noqa: E402
 from diloco_swarm.node.runner import Node  # noqa: E402
@@ -192,8 +194,8 @@ class NonFiniteScalesAverager(PseudoGradientAverager):
 
 
 class HugeContributionAverager(PseudoGradientAverager):
-    def average(self, delta, **kwargs):
-        return super().average([d * HUGE_FACTOR for d in delta], **kwargs)
+    def average(self, request: RoundRequest):
+        return super().average(dataclasses.replace(request, delta=[d * HUGE_FACTOR for d in request.delta]))
 
 
 class StallingAllReduceRunner(ConsensusAllReduceRunner):

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from diloco_swarm.averaging.averager import PseudoGradientAverager
+from diloco_swarm.averaging.request import RoundRequest
 from diloco_swarm.dht.swarm import start_dht, visible_maddrs
 
 SHAPES = [(256, 64), (64,), (64, 32), (32,)]
@@ -55,6 +56,29 @@ def _averagers(prefix: str, target_group_size: int, clients: tuple[bool, ...], t
             dht.shutdown()
 
 
+def test_a_round_request_refuses_inputs_out_of_range_and_gathers_the_settings_its_averager_reads_back():
+    from hivemind.utils import MSGPackSerializer
+
+    from diloco_swarm.averaging.matchmaking import round_settings
+
+    base = dict(delta=_delta(0), weight=100, metadata={"outer_step": 4}, timeout=30.0)
+    for bad in ({"weight": 0}, {"weight": -1.0}, {"weight": float("nan")}, {"timeout": 0.0},
+                {"timeout": float("inf")}, {"digest_wait": -1.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            RoundRequest(**{**base, **bad})
+    for bad in ({"weight": "100"}, {"metadata": None}):
+        with pytest.raises(TypeError, match=next(iter(bad))):
+            RoundRequest(**{**base, **bad})
+    request = RoundRequest(**base, online_peers=5, group_bits="10", group_size=3, group_cap=4)
+    gathered = request.gather()
+    assert gathered == {"outer_step": 4, "weight": 100.0, "online_peers": 5, "group_bits": "10", "group_size": 3,
+                        "group_cap": 4}
+    data = MSGPackSerializer.dumps([0.0, 0, MSGPackSerializer.dumps(gathered)])  # as hivemind's step() sends it
+    assert round_settings(data, MSGPackSerializer, default_target=2, max_group_size=8) == ("10", 3, 5, 4)
+    assert round_settings(MSGPackSerializer.dumps([0.0, 0, MSGPackSerializer.dumps(RoundRequest(**base).gather())]),
+                          MSGPackSerializer, default_target=2, max_group_size=8) == ("", 2, None, 2)
+
+
 @pytest.mark.timeout(180)
 def test_a_client_joins_a_round_that_begins_later_than_its_own_plan():
     # Two full peers plan their round of 3 to begin in 10 s; the client, handing off 1 s later,
@@ -65,8 +89,9 @@ def test_a_client_joins_a_round_that_begins_later_than_its_own_plan():
         started = time.time()
 
         def run(i: int, scheduled_time: float) -> None:
-            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={}, timeout=40.0,
-                                              scheduled_time=scheduled_time, group_size=3)[0]
+            results[i] = averagers[i].average(RoundRequest(
+                delta=_delta(i), weight=100.0, metadata={}, timeout=40.0, scheduled_time=scheduled_time,
+                group_size=3))[0]
 
         threads = [threading.Thread(target=run, args=(i, started + LEADER_BEGINS_IN_S), daemon=True) for i in (0, 1)]
         for t in threads:
@@ -90,7 +115,8 @@ def test_every_tensor_of_the_average_arrives_under_the_rounds_token_with_the_ver
         results: list = [None, None]
 
         def run(i: int) -> None:
-            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={}, timeout=30.0, group_size=2)
+            results[i] = averagers[i].average(RoundRequest(
+                delta=_delta(i), weight=100.0, metadata={}, timeout=30.0, group_size=2))
 
         threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(2)]
         for t in threads:
@@ -116,8 +142,9 @@ def test_a_member_a_step_behind_and_one_at_the_newest_step_never_average_in_a_sw
         results: list = [None] * 3
 
         def run(i: int, step: int, timeout: float) -> None:
-            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={"outer_step": step}, timeout=timeout,
-                                              scheduled_time=time.time(), online_peers=3, group_size=3)[0]
+            results[i] = averagers[i].average(RoundRequest(
+                delta=_delta(i), weight=100.0, metadata={"outer_step": step}, timeout=timeout,
+                scheduled_time=time.time(), online_peers=3, group_size=3))[0]
 
         pair = [threading.Thread(target=run, args=(i, step, 8.0), daemon=True) for i, step in ((0, 3), (1, 4))]
         for t in pair:
@@ -167,9 +194,9 @@ def test_a_late_member_whose_planned_group_already_averaged_stops_waiting_for_it
         finished: set[str] = set()
 
         def on_time(i: int) -> None:
-            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={"outer_step": 4}, timeout=30.0,
-                                              scheduled_time=time.time(), online_peers=3, group_size=2,
-                                              members=[ids[1 - i]], members_due=time.time())[0]
+            results[i] = averagers[i].average(RoundRequest(
+                delta=_delta(i), weight=100.0, metadata={"outer_step": 4}, timeout=30.0, scheduled_time=time.time(),
+                online_peers=3, group_size=2, members=[ids[1 - i]], members_due=time.time()))[0]
             finished.add(ids[i])
 
         pair = [threading.Thread(target=on_time, args=(i,), daemon=True) for i in (0, 1)]
@@ -180,10 +207,10 @@ def test_a_late_member_whose_planned_group_already_averaged_stops_waiting_for_it
         assert all(r is not None and r.ok and r.group_size == 2 for r in results[:2]), results[:2]
 
         started = time.time()
-        late = averagers[2].average(_delta(2), weight=100.0, metadata={"outer_step": 4}, timeout=window_s,
-                                    scheduled_time=started + 0.9 * window_s, online_peers=3, group_size=3,
-                                    members=ids[:2], members_due=started, gone=lambda peers: set(),
-                                    moved_on=lambda peers: {p for p in peers if p in finished})[0]
+        late = averagers[2].average(RoundRequest(
+            delta=_delta(2), weight=100.0, metadata={"outer_step": 4}, timeout=window_s,
+            scheduled_time=started + 0.9 * window_s, online_peers=3, group_size=3, members=ids[:2], members_due=started,
+            gone=lambda peers: set(), moved_on=lambda peers: {p for p in peers if p in finished}))[0]
         assert not late.ok and late.reason == "the other planned members averaged without us (we were late)", late
         assert time.time() - started < 15.0, "the late member waited for a group that had already averaged"
 
@@ -201,9 +228,9 @@ def test_a_grid_group_whose_members_hand_off_in_two_halves_averages_as_one_group
         def run(i: int) -> None:
             if i >= 2:
                 time.sleep(6.0)  # past the first pair's scheduled time + matchmaking time
-            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={"outer_step": 4}, timeout=40.0,
-                                              scheduled_time=time.time(), online_peers=8, group_bits="1",
-                                              group_size=4)[0]
+            results[i] = averagers[i].average(RoundRequest(
+                delta=_delta(i), weight=100.0, metadata={"outer_step": 4}, timeout=40.0, scheduled_time=time.time(),
+                online_peers=8, group_bits="1", group_size=4))[0]
 
         _on_threads(run, 4, timeout=90.0)
         assert all(r is not None for r in results), "a round did not end"
@@ -225,9 +252,9 @@ def test_two_minorities_of_a_grid_runs_one_group_round_never_both_advance():
         def run(i: int) -> None:
             if i < 2:
                 time.sleep(1.0)  # the trio's leader is in first
-            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={"outer_step": 9}, timeout=12.0,
-                                              scheduled_time=time.time(), online_peers=5,
-                                              group_size=2 if i < 2 else 3, group_cap=8)[0]
+            results[i] = averagers[i].average(RoundRequest(
+                delta=_delta(i), weight=100.0, metadata={"outer_step": 9}, timeout=12.0, scheduled_time=time.time(),
+                online_peers=5, group_size=2 if i < 2 else 3, group_cap=8))[0]
 
         _on_threads(run, 5, timeout=90.0)
         assert all(r is not None for r in results), "a round did not end"
@@ -245,9 +272,9 @@ def test_a_grid_runs_one_group_plan_of_a_pair_averages_beyond_the_cap():
         results: list = [None] * 2
 
         def run(i: int) -> None:
-            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={"outer_step": 5 + i}, timeout=20.0,
-                                              scheduled_time=time.time(), online_peers=6, group_size=2,
-                                              group_cap=2)[0]
+            results[i] = averagers[i].average(RoundRequest(
+                delta=_delta(i), weight=100.0, metadata={"outer_step": 5 + i}, timeout=20.0, scheduled_time=time.time(),
+                online_peers=6, group_size=2, group_cap=2))[0]
 
         _on_threads(run, 2, timeout=60.0)
         assert all(r is not None and r.ok and r.group_size == 2 for r in results), results
@@ -286,8 +313,8 @@ def test_a_member_whose_side_of_the_allreduce_failed_says_so_and_the_others_are_
         results: list = [None, None]
 
         def run(i: int) -> None:
-            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={}, timeout=20.0,
-                                              scheduled_time=time.time(), group_size=2)
+            results[i] = averagers[i].average(RoundRequest(
+                delta=_delta(i), weight=100.0, metadata={}, timeout=20.0, scheduled_time=time.time(), group_size=2))
 
         _on_threads(run, 2)
         (failed, _), (partner, average) = results
@@ -319,8 +346,9 @@ def test_a_member_that_missed_a_confirmation_applies_the_average_its_partner_kee
         results: list = [None, None]
 
         def run(i: int) -> None:
-            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={}, timeout=20.0,
-                                              scheduled_time=time.time(), group_size=2, digest_wait=3.0 if i == 0 else 30.0)
+            results[i] = averagers[i].average(RoundRequest(
+                delta=_delta(i), weight=100.0, metadata={}, timeout=20.0, scheduled_time=time.time(), group_size=2,
+                digest_wait=3.0 if i == 0 else 30.0))
 
         _on_threads(run, 2)
         (impatient, average), (late, kept) = results
@@ -364,8 +392,9 @@ def test_a_member_that_left_the_round_while_its_group_formed_never_has_its_delta
         begins, give_up = time.time() + ROUND_BEGINS_IN_S, threading.Event()
 
         def run(i: int) -> None:  # a planned group of 4 that only 3 join: the leader waits until it begins
-            results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={}, timeout=25.0, scheduled_time=begins,
-                                              group_size=4, give_up=give_up if i == 2 else None)
+            results[i] = averagers[i].average(RoundRequest(
+                delta=_delta(i), weight=100.0, metadata={}, timeout=25.0, scheduled_time=begins, group_size=4,
+                give_up=give_up if i == 2 else None))
 
         threading.Timer(GIVE_UP_AFTER_S, give_up.set).start()
         _on_threads(run, 3)

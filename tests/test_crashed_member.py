@@ -21,6 +21,7 @@ import torch
 
 from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner
 from diloco_swarm.averaging.averager import PseudoGradientAverager
+from diloco_swarm.averaging.request import RoundRequest
 from diloco_swarm.dht.swarm import start_dht, visible_maddrs
 from diloco_swarm.node.redial import gone_peers
 from swarmlib import process_tree
@@ -115,9 +116,9 @@ def _start_round_of_three(dhts, averagers, results: list, ended: list) -> list[t
     and, for A and B, ``ended`` (time.monotonic())."""
 
     def run(i: int) -> None:
-        results[i] = averagers[i].average(_delta(i), weight=100.0, metadata={}, timeout=30.0,
-                                          digest_wait=SLOW_MEMBER_S, group_size=3,
-                                          gone=_gone(dhts[i]) if i < 2 else None)[0]
+        results[i] = averagers[i].average(RoundRequest(
+            delta=_delta(i), weight=100.0, metadata={}, timeout=30.0, digest_wait=SLOW_MEMBER_S, group_size=3,
+            gone=_gone(dhts[i]) if i < 2 else None))[0]
         if i < 2:
             ended[i] = time.monotonic()
 
@@ -167,10 +168,10 @@ def test_a_forming_group_begins_without_a_planned_member_that_crashed():
         started = time.time()
 
         def run(i: int) -> None:
-            results[i] = averagers[i].average(
-                _delta(i), weight=100.0, metadata={}, timeout=scheduled_in_s + 30.0, group_size=3,
+            results[i] = averagers[i].average(RoundRequest(
+                delta=_delta(i), weight=100.0, metadata={}, timeout=scheduled_in_s + 30.0, group_size=3,
                 scheduled_time=started + scheduled_in_s, members=[ids[1 - i], crashed_id], members_due=started,
-                gone=_gone(dhts[i]))[0]
+                gone=_gone(dhts[i])))[0]
 
         threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(2)]
         for t in threads:
@@ -196,9 +197,9 @@ def test_a_round_whose_only_planned_partner_crashed_ends_at_once():
         averagers.append(averager)
         _crash(process_tree(dhts[1].pid))
         started = time.time()
-        result = averager.average(_delta(0), weight=100.0, metadata={}, timeout=60.0, group_size=2,
-                                  scheduled_time=started + 50.0, members=[crashed_id], members_due=started,
-                                  gone=_gone(dhts[0]))[0]
+        result = averager.average(RoundRequest(
+            delta=_delta(0), weight=100.0, metadata={}, timeout=60.0, group_size=2, scheduled_time=started + 50.0,
+            members=[crashed_id], members_due=started, gone=_gone(dhts[0])))[0]
         assert not result.ok and result.reason == "the other planned members are gone", result.reason
         assert time.time() - started < 15.0
 

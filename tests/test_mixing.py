@@ -148,11 +148,13 @@ def test_a_group_mixes_to_one_bit_identical_state_and_a_wrong_weight_is_refused(
     """Three members: A and B hold different θ_global at the round's step, C is a step behind. After
     the verified Δ round they plan the same mix from the gathered metadata; all three end with the same
     bytes, the weight-1 members' mean within the int8 error, C included (it catches up)."""
+    from diloco_swarm.averaging.request import RoundRequest
+
     ids = [a.peer_id.to_base58() for a in averagers]
     metas = [meta(5, D["a"], (4, D["c"])), meta(5, D["b"], (4, D["c"])), meta(4, D["c"])]
     for attempt in range(2):  # a second try only after the rare partial round, which is not what this checks
-        rounds = _in_threads(lambda i: averagers[i].average(_tensors(1e-2, i), weight=100.0, metadata=metas[i],
-                                                            timeout=30.0, digest_wait=10.0), 3)
+        rounds = _in_threads(lambda i: averagers[i].average(RoundRequest(
+            delta=_tensors(1e-2, i), weight=100.0, metadata=metas[i], timeout=30.0, digest_wait=10.0)), 3)
         if all(r.ok for r, _ in rounds):
             break
     assert all(r.ok and r.group_size == 3 for r, _ in rounds), [(r.ok, r.reason) for r, _ in rounds]
@@ -171,8 +173,8 @@ def test_a_group_mixes_to_one_bit_identical_state_and_a_wrong_weight_is_refused(
         assert float((mixed - want).norm() / want.norm()) < 0.02  # int8 twice: each part, then the average
 
     # C claims weight 1 although the plan gives it 0: its reducers refuse it, and no member keeps the mix
-    rounds = _in_threads(lambda i: averagers[i].average(_tensors(1e-2, i), weight=100.0, metadata=metas[i],
-                                                        timeout=30.0, digest_wait=10.0), 3)
+    rounds = _in_threads(lambda i: averagers[i].average(RoundRequest(
+        delta=_tensors(1e-2, i), weight=100.0, metadata=metas[i], timeout=30.0, digest_wait=10.0)), 3)
     assert all(r.ok for r, _ in rounds), [(r.ok, r.reason) for r, _ in rounds]
     claimed = [plans[0].weights[ids[0]], plans[0].weights[ids[1]], 1.0]
     mixes = _in_threads(lambda i: averagers[i].mix(contributions[i], round_result=rounds[i][0], weight=claimed[i],

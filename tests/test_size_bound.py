@@ -17,6 +17,7 @@ import math
 
 from diloco_swarm.averaging.allreduce import MAX_WEIGHT_SCALE, SIZE_REASON, allowed_scale, finite_norm
 from diloco_swarm.averaging.averager import PseudoGradientAverager
+from diloco_swarm.averaging.request import RoundRequest
 from diloco_swarm.averaging.results import tensors_digest
 from diloco_swarm.dht.swarm import start_dht, visible_maddrs
 
@@ -63,7 +64,8 @@ def _round(averagers, deltas, weights):
     results = [None, None]
 
     def run(i):
-        results[i] = averagers[i].average(deltas[i], weight=weights[i], metadata={}, timeout=30.0, digest_wait=10.0)
+        results[i] = averagers[i].average(RoundRequest(
+            delta=deltas[i], weight=weights[i], metadata={}, timeout=30.0, digest_wait=10.0))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:

@@ -8,13 +8,13 @@ result before handing it back. Any doubt makes the round a failed round: the cal
 its θ_global and carries its Δ into the next round, or applies its own Δ (node/runner.py), never
 a partial or unverified average.
 
-This module is the round itself. Its parts live beside it, one concern each: the group
-(``matchmaking.py``, ``grouping.py``), the all-reduce (``allreduce.py``), the result and its local
-checks (``results.py``), the members' confirmation (``confirm.py``), the peers kept out
-(``conduct.py``), the θ-mixing round (``mixing_round.py``, planned by ``mixing.py``) and state
-donation and download (``state_sharing.py``, ``donation.py``). Where hivemind looks a method up on
-the averager (``rpc_*`` handlers, calls through its control pipe), that concern's methods are a
-mixin of :class:`PseudoGradientAverager`.
+This module is the round itself. Its parts live beside it, one concern each: the round's inputs
+(``request.py``), the group (``matchmaking.py``, ``grouping.py``), the all-reduce
+(``allreduce.py``), the result and its local checks (``results.py``), the members' confirmation
+(``confirm.py``), the peers kept out (``conduct.py``), the θ-mixing round (``mixing_round.py``,
+planned by ``mixing.py``) and state donation and download (``state_sharing.py``, ``donation.py``).
+Where hivemind looks a method up on the averager (``rpc_*`` handlers, calls through its control
+pipe), that concern's methods are a mixin of :class:`PseudoGradientAverager`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import logging
 import signal
 import threading
 import time
-from typing import Any, AsyncIterator, Sequence
+from typing import AsyncIterator, Sequence
 
 import torch
 from hivemind import DHT
@@ -41,12 +41,13 @@ from hivemind.utils import get_dht_time, get_logger
 from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner, RoundStats
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
 from diloco_swarm.averaging.conduct import PeerConduct
-from diloco_swarm.averaging.confirm import DIGEST_WAIT_S, FAILED_MARK, ConfirmedRounds
+from diloco_swarm.averaging.confirm import FAILED_MARK, ConfirmedRounds
 from diloco_swarm.averaging.grouping import grid_group_quorum, group_problem, majority_quorum
 from diloco_swarm.averaging.matchmaking import LateMembers, await_group, configure_round, lower_target, round_settings
 from diloco_swarm.averaging.mixing_round import ThetaMixing
 from diloco_swarm.averaging.reachability import Responder
-from diloco_swarm.averaging.results import GoneProbe, RoundResult, short_reason
+from diloco_swarm.averaging.request import RoundRequest
+from diloco_swarm.averaging.results import RoundResult, short_reason
 from diloco_swarm.averaging.state_sharing import StateProvider, StateSharing
 from diloco_swarm.dht.calls import ChildUnavailable
 
@@ -356,76 +357,22 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
         await lower_target(getattr(self, "_matchmaking", None), target)
 
     # --- runs in the caller's process -------------------------------------------------
-    def average(
-        self,
-        delta: Sequence[torch.Tensor],
-        *,
-        weight: float,
-        metadata: dict[str, Any],
-        timeout: float,
-        digest_wait: float = DIGEST_WAIT_S,
-        stop: threading.Event | None = None,
-        give_up: threading.Event | None = None,
-        scheduled_time: float | None = None,
-        online_peers: int | None = None,
-        group_bits: str = "",
-        group_size: int | None = None,
-        group_cap: int | None = None,
-        gone: GoneProbe | None = None,
-        members: Sequence[str] = (),
-        members_due: float | None = None,
-        moved_on: GoneProbe | None = None,
-    ) -> tuple[RoundResult, list[torch.Tensor]]:
-        """Average ``delta`` with a group of peers; return the verified result.
+    def average(self, request: RoundRequest) -> tuple[RoundResult, list[torch.Tensor]]:
+        """Average ``request.delta`` with a group of peers (the round's settings and bounds: the other
+        fields of :class:`~diloco_swarm.averaging.request.RoundRequest`); return the verified result.
 
-        :param delta: this peer's pseudo-gradient, fp32, shapes of the averaged tensors.
-        :param weight: tokens this peer processed since its last sync (> 0).
-        :param metadata: small msgpack-able dict gathered from every member (outer step...); the
-            averager adds ``weight`` to it.
-        :param timeout: seconds to wait for a group before giving up (a solo round).
-        :param digest_wait: seconds to wait for every other member's digest of the average
-            (returns as soon as all arrived or one differs); a member still silent then makes
-            the round failed.
-        :param stop: when set, the round in flight is abandoned (graceful leave).
-        :param give_up: when set while still looking for a group, stop looking (a solo round);
-            a group that already formed finishes its all-reduce.
-        :param scheduled_time: DHT time at which the all-reduce should begin (hivemind's
-            ``step(scheduled_time=...)``): the leader waits for followers until then. A client
-            (it never leads) ignores it and joins any leader that begins within ``timeout``.
-        :param online_peers: peers of the run online now, this one included: a group must then
-            hold a strict majority of them (``grouping.majority_quorum``); None: any 2 peers.
-        :param group_bits: hivemind group bits of this round's planned group (``mixing.group_bits``
-            of a ``grouping.plan_round`` key): only peers with the same bits meet; "" = the run's one key.
-        :param group_size: the planned group's size (the leader starts once it is full); None: the
-            averager's ``target_group_size``.
-        :param group_cap: the most peers the round's plan put in one group (``grouping.RoundPlan.
-            max_group_size``); None: the averager's ``target_group_size``. A group without bits while
-            ``online_peers`` is at most this is the whole swarm's round: it needs a majority of them
-            and its members' outer steps are judged (``grouping.step_quorum_problem``), however few
-            peers the plan expected; beyond the cap any 2 peers may average.
-        :param gone: ``gone(peer_ids)`` returns those whose process is gone (bounded in time, never
-            raises); the digest cross-check stops waiting for them (:meth:`_cross_check`), and so
-            does a group still forming past ``members_due``. None: wait for every member.
-        :param members: the planned group's other members (peer ids); with ``members_due``.
-        :param members_due: unix time by which every one of ``members`` should have joined. While the
-            group still forms after it, every ``matchmaking.LATE_MEMBER_PROBE_EVERY_S`` the members that are
-            gone are asked for (``gone``) and taken off the target size (:meth:`_lower_target`): a
-            member killed after the round was planned no longer holds the others until
-            ``scheduled_time``; when none is left, the round ends at once (solo, not ``ok``).
-        :param moved_on: ``moved_on(peer_ids)`` returns those that finished this round without us (their
-            records show a later outer step: they averaged before we arrived); asked with ``gone``, and
-            those are dropped alike, so a late peer stops waiting for a group that already ran.
         :returns: the round's result and the Δ to apply: the group's average when ``ok``, and when
             the round failed only for want of confirmations (``maybe_kept``: no member contradicted
             our digest, so those that heard every confirmation keep this very average; applying it
-            too keeps us on their θ_global), else ``delta`` itself (fp32 CPU). The average is the
-            shared buffers themselves, valid until the next call (which writes them): apply it first.
+            too keeps us on their θ_global), else ``request.delta`` itself (fp32 CPU). The average is
+            the shared buffers themselves, valid until the next call (which writes them): apply it first.
         """
         started = time.perf_counter()
-        local = [d.detach().to("cpu", torch.float32) for d in delta]  # (read, never changed: no copy)
+        local = [d.detach().to("cpu", torch.float32) for d in request.delta]  # (read, never changed: no copy)
         with self.get_tensors() as buffers:
             for buf, d in zip(buffers, local):
                 buf.copy_(d)
+        scheduled_time = request.scheduled_time
         try:
             if not self.is_alive():
                 return RoundResult.solo(started, "the averager process is gone"), local
@@ -434,18 +381,16 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
                 # that begins later than that refuses it (BAD_EXPIRATION_TIME), each declaration tried
                 # once. A client late for its own plan was refused by every leader until its window
                 # ended; it now takes any leader that begins within its window.
-                scheduled_time = get_dht_time() + 0.9 * timeout
+                scheduled_time = get_dht_time() + 0.9 * request.timeout
             elif scheduled_time is not None:
-                scheduled_time = min(scheduled_time, get_dht_time() + 0.9 * timeout)
-            gather = {**metadata, "weight": float(weight), "online_peers": online_peers, "group_bits": group_bits,
-                      "group_size": group_size, "group_cap": group_cap}
-            control = self.step(weight=float(weight), gather=gather, timeout=timeout, allow_retries=True, wait=False,
-                                scheduled_time=scheduled_time)
-            late = LateMembers(members, members_due, group_size or self._default_target_group_size,
-                               gone if members_due is not None else None, moved_on)
+                scheduled_time = min(scheduled_time, get_dht_time() + 0.9 * request.timeout)
+            control = self.step(weight=float(request.weight), gather=request.gather(), timeout=request.timeout,
+                                allow_retries=True, wait=False, scheduled_time=scheduled_time)
+            late = LateMembers(request, default_size=self._default_target_group_size)
             # hivemind bounds the step in the averager process; the deadline bounds our wait if that process dies
-            control, why = await_group(control, deadline=time.monotonic() + timeout + self._allreduce_timeout_s + 30.0,
-                                       alive=self.is_alive, late=late, stop=stop, give_up=give_up,
+            deadline = time.monotonic() + request.timeout + self._allreduce_timeout_s + 30.0
+            control, why = await_group(control, deadline=deadline, alive=self.is_alive, late=late, stop=request.stop,
+                                       give_up=request.give_up,
                                        lower_target=lambda size: self._command("_lower_target", target=size))
             if why is not None:
                 return RoundResult.solo(started, why), local
@@ -460,8 +405,8 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
             # the shared buffers themselves, not a copy (the memory budget): nothing writes them again
             # before the next average(), and the node applies this round before it hands off the next
             averaged = list(buffers)
-        problem = self._verify(stats, local, averaged, result, weight=float(weight), digest_wait=digest_wait,
-                               stop=stop, gone=gone)
+        problem = self._verify(stats, local, averaged, result, weight=float(request.weight),
+                               digest_wait=request.digest_wait, stop=request.stop, gone=request.gone)
         result.seconds = time.perf_counter() - started
         if problem is not None:
             result.reason = problem

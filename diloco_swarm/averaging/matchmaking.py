@@ -17,13 +17,13 @@ import contextlib
 import math
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from hivemind.averaging.control import AveragingStage
 from hivemind.utils import MPFuture, get_logger
 
 from diloco_swarm.averaging.grouping import grid_group_quorum, is_count
-from diloco_swarm.averaging.results import GoneProbe
+from diloco_swarm.averaging.request import RoundRequest
 
 logger = get_logger(__name__)
 
@@ -34,9 +34,9 @@ STILL_LOOKING = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
 def round_settings(data_for_gather: bytes, serializer, *, default_target: int,
                    max_group_size: int) -> tuple[str, int, int | None, int]:
     """(group bits, target group size, online peers, the plan's cap) that ``average()`` gathered for a
-    round (hivemind's ``StepControl.data_for_gather``, read with the averager's ``serializer``): the
-    defaults (no bits: the run's one key; ``default_target``) where they are missing or malformed.
-    ``max_group_size``: the most peers a round may ask for."""
+    round (``RoundRequest.gather``, in hivemind's ``StepControl.data_for_gather``, read with the
+    averager's ``serializer``): the defaults (no bits: the run's one key; ``default_target``) where
+    they are missing or malformed. ``max_group_size``: the most peers a round may ask for."""
     try:
         _, _, user_data = serializer.loads(data_for_gather)
         data = serializer.loads(user_data)
@@ -103,16 +103,18 @@ async def lower_target(matchmaking, target: int) -> None:
 
 
 class LateMembers:
-    """The planned members of a forming group that have not made it by their due time: which are gone
-    or moved on (asked through ``gone`` and ``moved_on`` at most every :data:`LATE_MEMBER_PROBE_EVERY_S`),
-    and the group's size without them (``size``, this peer included). With no ``gone`` or no due time
-    (unix s) it never asks."""
+    """The planned members of a forming group (``request.members``) that have not made it by their due
+    time (``request.members_due``): which are gone or moved on (asked through ``request.gone`` and
+    ``request.moved_on`` at most every :data:`LATE_MEMBER_PROBE_EVERY_S`), and the group's size without
+    them (``size``, this peer included; at first ``request.group_size``, or ``default_size`` without
+    one). With no ``gone`` or no due time it never asks."""
 
-    def __init__(self, members: Sequence[str], due: float | None, size: int, gone: GoneProbe | None,
-                 moved_on: GoneProbe | None = None):
-        self.members, self.size, self.gone, self.moved_on = list(members), size, gone, moved_on
+    def __init__(self, request: RoundRequest, *, default_size: int):
+        self.members, self.gone, self.moved_on = list(request.members), request.gone, request.moved_on
+        self.size = request.group_size or default_size
         self.lost: set[str] = set()
         self.moved: set[str] = set()  # of ``lost``: those that finished the round without us
+        due = request.members_due
         self._next = due if due is not None else math.inf  # (unix s) the first ask
 
     def drop_gone(self) -> bool:

@@ -116,7 +116,7 @@ class ThetaMixing:
         every member confirming the same digest).
 
         :param weight: this member's weight in the plan (1 or 0); ``planned_weights`` every member's.
-        :param gone: as in ``PseudoGradientAverager.average``.
+        :param gone: as in ``request.RoundRequest`` (the input of ``PseudoGradientAverager.average``).
         :returns: the mixing round's result and the mixed tensors (``contribution``'s shapes) when
             ``ok``, else a copy of ``contribution``. Never raises for a failed or silent group.
         """

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
 from diloco_swarm.averaging.grouping import ahead_of_swarm, moved_past
 from diloco_swarm.averaging.mixing import group_bits, history_length
+from diloco_swarm.averaging.request import RoundRequest
 from diloco_swarm.averaging.results import RoundResult
 from diloco_swarm.dht.records import read_peer_records
 from diloco_swarm.node import round_policy as policy
@@ -175,14 +176,14 @@ class Round:
             p.stats.averaging_round = plan.round_no
             p.housekeeping.publish_soon()
         try:
-            return p.averager.average(
-                handoff.delta, weight=max(handoff.tokens, 1),
+            return p.averager.average(RoundRequest(
+                delta=handoff.delta, weight=max(handoff.tokens, 1),
                 metadata=p.metadata(handoff), timeout=p.cfg.averaging_window, stop=control.stop,
                 give_up=control.give_up, digest_wait=DIGEST_WAIT_S, scheduled_time=join.due + p.cfg.matchmaking_time,
                 online_peers=join.online, group_bits=group_bits(join.group_key) if grid else "",
                 group_size=max(2, len(join.members) + 1), group_cap=plan.max_group_size, gone=self.gone_members,
                 members=list(join.members), members_due=join.due,
-                moved_on=lambda peers: self.moved_on(peers, plan.round_no))
+                moved_on=lambda peers: self.moved_on(peers, plan.round_no)))
         finally:
             p.stats.averaging_round = None
 
@@ -190,7 +191,7 @@ class Round:
         """The round's plan (``round_policy.plan``) and the planned members found gone: a member that
         crashed moments ago still has a fresh record, so it is pinged before the round waits for it
         (clients serve no DHT calls: they cannot be asked). A member that dies after this plan is
-        found gone past ``due`` (``averager.average``'s ``members_due``)."""
+        found gone past ``due`` (``RoundRequest.members_due``)."""
         p = self.p
         others = p.swarm.round_peers(records)
         seen = time.monotonic()

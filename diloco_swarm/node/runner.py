@@ -30,6 +30,7 @@ import torch
 from diloco_swarm import __version__
 from diloco_swarm.averaging.allreduce import finite_norm
 from diloco_swarm.averaging.mixing import history_length
+from diloco_swarm.dht.calls import ChildUnavailable
 from diloco_swarm.node import round_policy as policy
 from diloco_swarm.node.checkpoint_writer import CheckpointWriter
 from diloco_swarm.node.config import NodeConfig
@@ -111,8 +112,6 @@ class Node(Startup):
         :raises NodeError, CheckpointError, SwarmError, SpecMismatch, DatasetError: user-facing problems.
         :raises PartLost: the DHT, the averager or p2pd died under the node (node/watchdog.py).
         """
-        from diloco_swarm.dht.calls import ChildUnavailable
-
         self.stop.install()
         self.stats.started = time.monotonic()
         try:

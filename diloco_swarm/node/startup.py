@@ -9,6 +9,7 @@ before the network is touched.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import time
 from dataclasses import replace
@@ -18,13 +19,24 @@ from typing import Any
 import torch
 
 from diloco_swarm import __version__
+from diloco_swarm.averaging import averager as averager_module
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
+from diloco_swarm.averaging.reachability import check_reachability, transport_addrs
+from diloco_swarm.averaging.state_sharing import state_donors
+from diloco_swarm.dht.calls import ChildUnavailable
+from diloco_swarm.dht.publisher import PeerRecordPublisher
+from diloco_swarm.dht.records import read_peer_records
+from diloco_swarm.dht.signing import record_validators
+from diloco_swarm.dht.swarm import (BootstrapFailed, InitialPeersAreUs, StateDirLock, SwarmError, ensure_run_spec,
+                                    peer_ids_of, start_dht, visible_maddrs)
 from diloco_swarm.models import num_parameters
 from diloco_swarm.node.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, remove_stale_temp_files
 from diloco_swarm.node.dylu import PhasePlanner
 from diloco_swarm.node.errors import NodeError
 from diloco_swarm.node.global_state import GlobalState, theta_digest
+from diloco_swarm.node.assets import build_run_assets
 from diloco_swarm.node.inner import build_inner_optimizer
+from diloco_swarm.node.known_peers import known_peers_path, load_known_peers, previous_port, remember_peers, save_port
 from diloco_swarm.node.mixing import ThetaMixer
 from diloco_swarm.node.outer import OuterOptimizer
 from diloco_swarm.node.outer_sync import OuterSync
@@ -36,8 +48,6 @@ ROUND_MARGIN_S = 30.0  # past the round's own time bounds, a phase gives the rou
 
 def _is_loopback(maddr: str) -> bool:
     """Whether a multiaddr's host is a loopback address (/ip4/127.x or /ip6/::1)."""
-    import ipaddress
-
     parts = maddr.split("/")
     try:
         return len(parts) > 2 and parts[1] in ("ip4", "ip6") and ipaddress.ip_address(parts[2]).is_loopback
@@ -77,9 +87,6 @@ class Startup:
     def _start(self) -> bool:
         """Set-up, the optional start barrier, join sync and the first evaluation.
         :returns: False when a stop came during start-up (nothing was trained)."""
-        from diloco_swarm.dht.calls import ChildUnavailable
-        from diloco_swarm.dht.swarm import SwarmError
-
         try:
             self._setup()
         except (SwarmError, ChildUnavailable):
@@ -128,8 +135,6 @@ class Startup:
             self.status.log(f"stopped at outer step {self.outer_step}{kept}")
 
     def _setup(self) -> None:
-        from diloco_swarm.dht.swarm import StateDirLock, ensure_run_spec, start_dht, visible_maddrs
-
         cfg, spec = self.cfg, self.spec
         phases = {"imports": process_age_s()}  # seconds per start-up phase, in the start record
         mark = time.monotonic()
@@ -147,8 +152,6 @@ class Startup:
         remove_stale_temp_files(cfg.state_dir)  # left by a write that a second Ctrl+C or a crash cut short
 
         # Everything local that can fail is checked before we touch the network.
-        from diloco_swarm.node.assets import build_run_assets  # tokenizer, data and model, and their identities
-
         self.assets = build_run_assets(spec, dataset=cfg.dataset, tokenizer_arg=cfg.tokenizer,
                                        max_bytes=cfg.max_dataset_bytes, log=self.status.log)
         spec = self.spec = self.assets.spec
@@ -177,12 +180,7 @@ class Startup:
         # digest confirmation
         self.round_deadline_s = 2 * cfg.averaging_window + cfg.allreduce_timeout + DIGEST_WAIT_S + ROUND_MARGIN_S
 
-        from diloco_swarm.dht.publisher import PeerRecordPublisher
-        from diloco_swarm.dht.signing import record_validators
-
         validators = record_validators(spec.run_id, cfg.state_dir)
-        from diloco_swarm.node.known_peers import previous_port, save_port
-
         # --port 0: our last run's port when it is free, so the addresses other peers keep for us stay valid
         dht_args = dict(host=cfg.host, port=cfg.port or previous_port(cfg.state_dir, cfg.host), announce=cfg.announce,
                         identity_path=cfg.state_dir / "identity.key", record_validators=validators)
@@ -201,11 +199,10 @@ class Startup:
             self.dht = start_dht(initial_peers=cfg.initial_peers, client_mode=True, retry_busy_port_s=15.0, **dht_args)
         self.sampler = self.assets.sampler(cfg.batch_size, spec.seq_len, seed=spec.seed, stream_id=self.peer_id)
         eval_set = self.assets.held_out_batches(cfg.batch_size, spec.seq_len, cfg.eval_batches)
-        from diloco_swarm.averaging.averager import PseudoGradientAverager  # (tests/faults.py may put a faulty one there)
-
         # forked before any model-sized buffer exists (the DHT above too): a child shares none of the
-        # model's pages, which training would otherwise copy into the child's memory one by one
-        self.averager = PseudoGradientAverager(
+        # model's pages, which training would otherwise copy into the child's memory one by one.
+        # The class is looked up at call time: tests/faults.py may put a faulty one there
+        self.averager = averager_module.PseudoGradientAverager(
             [torch.zeros(p.shape, dtype=torch.float32) for p in model_shape.parameters()],
             self.dht,
             prefix=spec.run_id,
@@ -305,9 +302,6 @@ class Startup:
         :raises SwarmError: as :func:`~diloco_swarm.dht.swarm.start_dht`; BootstrapFailed when neither
             the ``--initial-peers`` nor the known peers answered.
         """
-        from diloco_swarm.dht.swarm import BootstrapFailed, InitialPeersAreUs, peer_ids_of, start_dht
-        from diloco_swarm.node.known_peers import known_peers_path, load_known_peers, remember_peers
-
         cfg, run_id = self.cfg, self.spec.run_id
         known = [a for a in load_known_peers(cfg.state_dir, run_id, warn=self.status.log) if a not in cfg.initial_peers]
         n = len(peer_ids_of(known))
@@ -353,8 +347,6 @@ class Startup:
 
     def _remember_peers(self, records: dict[str, Any]) -> None:
         """Save the addresses of the full peers in ``records`` for a later restart (node/known_peers.py)."""
-        from diloco_swarm.node.known_peers import remember_peers
-
         seen = {p: r.maddrs for p, r in records.items() if r.reachability != "client" and r.maddrs}
         if seen:
             remember_peers(self.cfg.state_dir, self.spec.run_id, seen, me=self.peer_id)
@@ -362,11 +354,6 @@ class Startup:
     def _detect_reachability(self) -> str:
         """Ask a public peer to dial us back (averaging/reachability.py) unless --client-mode or
         --public decided it. :returns: "reachable", "unreachable" or "unknown"; sets ``reachability``."""
-        from diloco_swarm.averaging.averager import PseudoGradientAverager
-        from diloco_swarm.averaging.reachability import check_reachability, transport_addrs
-        from diloco_swarm.averaging.state_sharing import state_donors
-        from diloco_swarm.dht.swarm import peer_ids_of, visible_maddrs
-
         cfg = self.cfg
         if self.stop.requested:
             return "unknown"
@@ -386,8 +373,8 @@ class Startup:
         maddrs = transport_addrs(visible_maddrs(self.dht))
         of_this_run = [p for p in state_donors(self.dht, self.spec.run_id) if p != self.peer_id]
         candidates = of_this_run + [p for p in peer_ids_of(cfg.initial_peers) if p not in of_this_run and p != self.peer_id]
-        verdict = check_reachability(self.dht, PseudoGradientAverager, self.spec.run_id, candidates, maddrs,
-                                     stop=self.stop.event)
+        verdict = check_reachability(self.dht, averager_module.PseudoGradientAverager, self.spec.run_id, candidates,
+                                     maddrs, stop=self.stop.event)
         self.metrics.write({"event": "reachability", "peer_id": self.peer_id, "reachable": verdict.reachable,
                             "responder": verdict.responder, "reason": verdict.reason, "maddrs": maddrs})
         if verdict.reachable is True:
@@ -444,8 +431,6 @@ class Startup:
             return
         deadline = time.monotonic() + self.cfg.wait_for_peers_timeout
         self.status.log(f"waiting for {want} peers (at most {self.cfg.wait_for_peers_timeout:.0f}s)")
-        from diloco_swarm.dht.records import read_peer_records
-
         while not self.stop.requested:
             # clients are not state donors, but every peer publishes a record
             seen = max(1 + len(self.averager.donors()), len(read_peer_records(self.dht, self.spec.run_id)))
