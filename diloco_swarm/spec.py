@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
@@ -25,8 +26,6 @@ LATER_FIELD_DEFAULTS: dict[str, object] = {"tokenizer": "byte", "vocab_size": 25
 
 def run_id_problem(run_id: str) -> str | None:
     """One line saying why ``run_id`` is not a valid run id, or None."""
-    import re
-
     if 1 <= len(run_id) <= RUN_ID_MAX and re.match(RUN_ID_PATTERN, run_id):
         return None
     return (f"--run-id {run_id!r} is not a valid run id: use 1 to {RUN_ID_MAX} letters, digits, '-' or '_', "

@@ -6,11 +6,16 @@ Every user-facing problem ends with one line on stderr and exit code 2; nothing 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
+import inspect
+import logging
 import math
 import os
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # before hivemind is imported anywhere
 
+import shlex
+import signal
 import sys
 from enum import Enum
 from pathlib import Path
@@ -26,12 +31,16 @@ from diloco_swarm.cli.status import status
 from diloco_swarm.cli.text import DEFAULT_RUN_ID, printable
 from diloco_swarm.node.inner import INNER_OPTIMIZERS
 
+# Every command, --help included, imports this module: the imports above are what all of them need
+# (typer, rich, the command modules: ~0.25 s in all). A command imports the rest when it runs (tagged
+# "lazy"): torch and hivemind take seconds, pydantic ~0.1 s.
+
 
 def _show_flags_bare() -> None:
     """typer 0.29's rich help prints a flag's type as if the flag took a value (``--public <bool>``,
     even ``--help <bool>``); its plain help and the parser do not. Show flags bare, as click does."""
     try:
-        from typer.core import TyperOption
+        from typer.core import TyperOption  # inside the try: no patch where typer lacks it
     except ImportError:
         return
     shown = getattr(TyperOption, "display_type_rich", None)
@@ -136,9 +145,10 @@ def join(
     Ctrl+C leaves cleanly (the checkpoint is written); a second Ctrl+C quits at once.
     """
     require_node("join")
-    from diloco_swarm.node.signals import catch_early
+    from diloco_swarm.node.signals import catch_early  # lazy
 
     catch_early()  # a stop signal while torch and hivemind load is kept for the node, not lost
+    # lazy
     from pydantic import ValidationError
 
     from diloco_swarm.node.config import NodeConfig
@@ -180,14 +190,14 @@ def join(
         if field == "run_id":
             raise fail(run_id_problem(run_id) or f"--run-id {run_id!r}: {first['msg']}")
         raise fail(f"--{field.replace('_', '-')} {first.get('input')!r}: {first['msg']}")
-    from diloco_swarm.cli.precheck import InputError, check_join_input
+    from diloco_swarm.cli.precheck import InputError, check_join_input  # lazy
 
     try:  # before the slow imports below (torch, hivemind), so that bad input is refused at once
         check_join_input(initial_peers=initial_peers or [], announce=announce or [], host=host, port=port,
                          dataset=dataset, model=model, tokenizer=tokenizer, metrics_file=metrics_file)
     except InputError as e:
         raise fail(str(e))
-    from diloco_swarm.dht.swarm import SwarmError, parse_initial_peers
+    from diloco_swarm.dht.swarm import SwarmError, parse_initial_peers  # lazy: hivemind
 
     try:
         peers = parse_initial_peers(initial_peers or [])
@@ -230,9 +240,6 @@ def join(
 def _spec_flags_to_repeat(**values) -> list[str]:
     """The run-spec flags (and, for a file dataset, --max-dataset-bytes) that differ from ``join``'s
     defaults: what another machine must pass to join this run, printed in the node's join line."""
-    import inspect
-    import shlex
-
     defaults = inspect.signature(join).parameters
     out: list[str] = []
     for name, value in values.items():
@@ -245,6 +252,7 @@ def _spec_flags_to_repeat(**values) -> list[str]:
 
 def run_node(config) -> None:
     """Run a node; map every user-facing failure to one line and exit code 2 (3: a part of the node died)."""
+    # lazy: the node (torch, hivemind)
     from diloco_swarm.averaging.codec import CodecError
     from diloco_swarm.data import DatasetError
     from diloco_swarm.dht.swarm import SwarmError
@@ -284,7 +292,7 @@ def leave_now(code: int) -> None:
     -6) after everything was saved. The node has already written its checkpoint and metrics and
     stopped its parts; a part that is somehow still alive is ended here, as multiprocessing's own
     exit hook would."""
-    import logging
+    # lazy
     import multiprocessing as mp
 
     from diloco_swarm.utils.hivemind_fixes import remove_socket_dir
@@ -313,6 +321,7 @@ def demo(
 ) -> None:
     """Start a local swarm of N real `diloco-node join` processes on 127.0.0.1 and watch them train."""
     require_node("demo")
+    # lazy
     from diloco_swarm.cli.demo import run_demo
     from diloco_swarm.cli.precheck import InputError, check_dataset, check_port
 
@@ -337,6 +346,7 @@ def export(
     """Write θ_global of a node's checkpoint as a Hugging Face model folder (config.json, model.safetensors,
     and the run's tokenizer files; a byte-level run has none: token id = byte value) that
     transformers.AutoModelForCausalLM.from_pretrained(OUT) loads."""
+    # lazy: torch
     from diloco_swarm.node.checkpoint import CheckpointError
     from diloco_swarm.node.export import ExportError, export_model
 
@@ -355,7 +365,7 @@ def _cli_exception_types() -> tuple[type[BaseException], ...]:
     """Usage/parameter errors of typer (which vendors click since 0.2x) and of click itself."""
     types: list[type[BaseException]] = [getattr(typer, "TyperException", None)]
     try:
-        import click
+        import click  # lazy, and optional: typer vendors its own
 
         types.append(click.ClickException)
     except ImportError:
@@ -366,7 +376,7 @@ def _cli_exception_types() -> tuple[type[BaseException], ...]:
 def _abort_types() -> tuple[type[BaseException], ...]:
     types: list[type[BaseException]] = [KeyboardInterrupt, getattr(typer, "Abort", None)]
     try:
-        import click
+        import click  # lazy, and optional: typer vendors its own
 
         types.append(click.Abort)
     except ImportError:
@@ -396,9 +406,6 @@ def _non_finite(opts: list[str], argv: list[str]) -> str | None:
 
 def main() -> None:
     """Console-script entry point. ``kill -USR1 <pid>`` prints every thread's stack (for hangs)."""
-    import faulthandler
-    import signal
-
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     # standalone_mode=False: usage errors come back to us, and each becomes one `error:` line
     # (click/typer would print a multi-line box that wraps the message).

@@ -7,6 +7,7 @@ none of them, and neither torch nor hivemind.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import typer
@@ -44,8 +45,6 @@ NODE_MODULES = ("torch", "hivemind")  # the [node] extra (pyproject.toml)
 
 def node_missing() -> str | None:
     """The first training-node module this install lacks (the ``[node]`` extra), or None; imports nothing."""
-    import importlib.util
-
     for module in NODE_MODULES:
         try:
             if importlib.util.find_spec(module) is None:

@@ -16,9 +16,12 @@ from diloco_swarm.cli.common import fail, require_finite
 from diloco_swarm.cli.status import LIGHT_HELP, open_reader, parse_peers, reader_message, use_light
 from diloco_swarm.cli.text import DEFAULT_RUN_ID
 
+# Every command, --help included, imports this module (cli/app.py). "lazy": the web server and the
+# records (uvicorn, Starlette, pydantic: ~0.15 s) load when the dashboard runs.
+
 
 def _server_class():
-    import uvicorn
+    import uvicorn  # lazy
 
     class Server(uvicorn.Server):
         """uvicorn's server, minus re-raising SIGINT/SIGTERM after its graceful shutdown, so that
@@ -57,6 +60,7 @@ def dashboard(
 
     Joins the DHT as a client and reads the peers' signed records every few seconds. Also serves /api/v1/state (JSON, see docs/dashboard.md) and /metrics (Prometheus). Ctrl+C stops it; the chart history is saved in --state-dir.
     """
+    # lazy
     from diloco_swarm.spec import run_id_problem
     from diloco_swarm.utils.net import port_problem
 
@@ -77,6 +81,7 @@ def dashboard(
     except OSError as e:
         raise fail(f"--state-dir {state_dir}: {e.strerror}")
 
+    # lazy
     import uvicorn
 
     from diloco_swarm.dashboard.app import Poller, create_app

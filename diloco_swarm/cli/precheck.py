@@ -9,10 +9,15 @@ so it never refuses an address the node would accept.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from diloco_swarm.data.files import DatasetError, list_dataset_files
+from diloco_swarm.data.hf_source import hf_dataset_problem, is_hf_dataset
+from diloco_swarm.data.tokenizer import tokenizer_problem
+from diloco_swarm.models.registry import model_problem
 from diloco_swarm.utils.net import host_problem, port_problem
 
 
@@ -81,8 +86,6 @@ def is_malformed_multiaddr(addr: str) -> bool:
 def _unknown_protocol(addr: str) -> str | None:
     """The first protocol name in ``addr`` that no multiaddr we print or parse has (``tpc`` for
     ``tcp``), with a suggestion; None when every name is known."""
-    import difflib
-
     name = _walk_multiaddr(addr)[1]
     if name is None:
         return None
@@ -135,9 +138,6 @@ def check_dataset(dataset: str | None) -> None:
     folder or a glob without matches (it stops at the first file, and reads none)."""
     if dataset is None:
         return
-    from diloco_swarm.data.files import DatasetError, list_dataset_files
-    from diloco_swarm.data.hf_source import hf_dataset_problem, is_hf_dataset
-
     if is_hf_dataset(dataset):
         problem = hf_dataset_problem(dataset)
         if problem:
@@ -153,9 +153,6 @@ def check_dataset(dataset: str | None) -> None:
 def check_model_and_tokenizer(model: str, tokenizer: str | None) -> None:
     """:raises InputError: an unknown ``--model``, a missing path, or a Hub id while offline (same
     messages as ``models.registry.resolve_model`` and ``data.tokenizer.load_tokenizer``)."""
-    from diloco_swarm.data.tokenizer import tokenizer_problem
-    from diloco_swarm.models.registry import model_problem
-
     problem = model_problem(model) or (tokenizer_problem(tokenizer) if tokenizer else None)
     if problem:
         raise InputError(problem)

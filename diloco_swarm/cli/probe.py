@@ -26,6 +26,7 @@ def probe(
 
     Exit code 0 when the peer answered, 1 when it did not within --timeout, 2 on bad input.
     """
+    # lazy: every command, --help included, imports this module (cli/app.py); these take ~0.15 s
     from diloco_swarm.light.client import LightError
     from diloco_swarm.light.reader import probe as run_probe
     from diloco_swarm.spec import run_id_problem

@@ -10,12 +10,16 @@ import time
 from typing import Annotated, Any, Callable
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from diloco_swarm.cli.common import fail, node_missing, require_finite
 from diloco_swarm.cli.text import DEFAULT_RUN_ID, printable
+
+# Every command, --help included, imports this module (cli/app.py). "lazy": the rest loads when a
+# reader runs: hivemind (~2 s) or the light client (~0.15 s; libp2p ~0.6 s more), pydantic (~0.1 s).
 
 STALE_AFTER_S = 20.0
 PIPED_WIDTH = 160  # columns of the table when stdout is not a terminal (rich would fold it to 80)
@@ -40,6 +44,7 @@ def join_as_reader(initial_peers: list[str], run_id: str):
 
     :raises SwarmError: bad address, or no initial peer answered.
     """
+    # lazy: hivemind
     from diloco_swarm.dht.signing import record_validators
     from diloco_swarm.dht.swarm import start_dht
 
@@ -68,7 +73,7 @@ def parse_peers(initial_peers: list[str], light: bool) -> list[str]:
     :raises ValueError: a bad multiaddr, or none given (its text is the one-line error).
     """
     if light:
-        from diloco_swarm.light.client import LightError, parse_peer_maddr
+        from diloco_swarm.light.client import LightError, parse_peer_maddr  # lazy
 
         peers = [item for value in initial_peers for item in value.replace(",", " ").split()]
         for item in peers:
@@ -77,7 +82,7 @@ def parse_peers(initial_peers: list[str], light: bool) -> list[str]:
             except LightError as e:  # not a peer multiaddr, no TCP address, or a name that does not resolve
                 raise ValueError(f"--initial-peers: {e}") from None
     else:
-        from diloco_swarm.dht.swarm import SwarmError, parse_initial_peers
+        from diloco_swarm.dht.swarm import SwarmError, parse_initial_peers  # lazy: hivemind
 
         try:
             peers = parse_initial_peers(initial_peers)
@@ -102,6 +107,7 @@ def open_reader(peers: list[str], run_id: str, light: bool) -> tuple[EntriesRead
     :raises ValueError: no initial peer answered, or the DHT could not start (its text is the one-line error).
     """
     if light:
+        # lazy
         from diloco_swarm.light.client import LightError
         from diloco_swarm.light.reader import entries_reader, read_swarm
 
@@ -113,6 +119,7 @@ def open_reader(peers: list[str], run_id: str, light: bool) -> tuple[EntriesRead
             raise ValueError(f"the light client could not read the swarm: {e!r}"[:300]) from None
         later = entries_reader(peers, run_id)
         return (lambda: first.pop() if first else later()), (lambda: None)
+    # lazy: hivemind
     from diloco_swarm.dht.records import read_peer_entries
     from diloco_swarm.dht.swarm import SwarmError
     from diloco_swarm.node.redial import dial_peers
@@ -142,7 +149,7 @@ def collect_rows(read: EntriesReader, *, attempts: int = 3, stale_after_s: float
     One look has no history, so the state comes from the record's own ``updated`` time:
     online when at most ``stale_after_s`` old (by our clock), else stale.
     """
-    from diloco_swarm.dht.records import FIELDS
+    from diloco_swarm.dht.records import FIELDS  # lazy: pydantic
 
     entries = None
     for i in range(attempts):
@@ -173,9 +180,7 @@ def _f(value: Any, digits: int = 3) -> str:
 def render_table(rows: list[dict[str, Any]], run_id: str, width: int = 120) -> Table:
     """The peer table; below 110 columns it leaves out device, goodput and uptime to stay readable
     (reach stays: it says who can average with whom)."""
-    from rich import box
-
-    from diloco_swarm.dashboard.render import fmt_duration, fmt_si, short_id
+    from diloco_swarm.dashboard.render import fmt_duration, fmt_si, short_id  # lazy: pydantic
 
     wide = width >= 110
     table = Table(title=Text(f"run {run_id}"), title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
@@ -220,7 +225,7 @@ def render_table(rows: list[dict[str, Any]], run_id: str, width: int = 120) -> T
 
 
 def summary_line(totals: dict[str, Any]) -> str:
-    from diloco_swarm.dashboard.render import fmt_si
+    from diloco_swarm.dashboard.render import fmt_si  # lazy: pydantic
 
     parts = [f"{totals['peers_online']} peer{'s' if totals['peers_online'] != 1 else ''} online"]
     if totals["peers_stale"]:
@@ -246,6 +251,7 @@ def status(
 
     Joins the DHT as a client (it never trains and accepts no connections), reads every peer's signed record, prints, and leaves. Exit code 0 even when no peer is found; 2 on errors.
     """
+    # lazy: pydantic
     from diloco_swarm.spec import run_id_problem
     from diloco_swarm.dashboard.state import summarize
 

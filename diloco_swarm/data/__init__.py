@@ -13,7 +13,7 @@ __all__ = ["DatasetError", "list_dataset_files", *_FROM_CORPUS]
 
 def __getattr__(name: str):
     if name in _FROM_CORPUS:
-        from diloco_swarm.data import corpus
+        from diloco_swarm.data import corpus  # on first use: numpy and torch (module docstring)
 
         return getattr(corpus, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

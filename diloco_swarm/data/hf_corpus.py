@@ -57,7 +57,7 @@ def open_local(source: HFSource):
     Raises:
         DatasetError: unreadable data, a missing split (the message lists those present).
     """
-    import datasets
+    import datasets  # lazy: ~0.7 s, for hf: data only (node/assets.py imports this module for every run)
 
     datasets.disable_progress_bars()  # ours (node/assets.py) shows progress; theirs would flood the log
     path = source.local_path
@@ -217,7 +217,7 @@ def open_hub_stream(source: HFSource) -> Callable[[], Any]:
         raise DatasetError(problem)
 
     def open_stream():
-        import datasets
+        import datasets  # lazy, as in open_local
 
         return datasets.load_dataset(source.name, source.config, split=source.split, streaming=True)
 

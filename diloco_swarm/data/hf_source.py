@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diloco_swarm.data.files import DatasetError
+from diloco_swarm.data.tokenizer import _looks_like_hub_id, hub_offline
 
 PREFIX = "hf:"
 DEFAULT_SPLIT = "train"
@@ -71,8 +72,6 @@ def parse_hf_dataset(arg: str) -> HFSource:
 
 def hf_dataset_problem(arg: str) -> str | None:
     """Why an ``hf:`` dataset cannot be opened, found without reading it (None if it may be fine)."""
-    from diloco_swarm.data.tokenizer import _looks_like_hub_id, hub_offline
-
     try:
         source = parse_hf_dataset(arg)
     except DatasetError as e:

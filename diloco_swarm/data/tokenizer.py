@@ -5,7 +5,8 @@ A Hugging Face tokenizer comes from a local ``tokenizer.json``, a local folder s
 cached copy works offline). Its identity in the run spec is a hash of its files, so peers that
 tokenize differently refuse each other before training.
 
-Heavy libraries (transformers, huggingface_hub) are imported on first use.
+Heavy libraries (transformers, huggingface_hub, numpy) are imported on first use: join's input check
+(cli/precheck.py) imports this module before the node's slow imports.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Tokenizer:
             one 1-D int64 array per text. Bytes: the UTF-8 encoding; Hugging Face: the fast
             (Rust) tokenizer's ``encode_batch``, run on all cores.
         """
-        import numpy as np
+        import numpy as np  # lazy (module docstring)
 
         if self._hf is None:
             return [np.frombuffer(t.encode("utf-8", "surrogatepass"), dtype=np.uint8).astype(np.int64) for t in texts]
@@ -124,7 +125,7 @@ def load_tokenizer(arg: str) -> Tokenizer:
     if not path.exists():
         path = fetch_from_hub(arg, allow_patterns=list(TOKENIZER_FILES), what="--tokenizer")
     try:
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # lazy (module docstring)
 
         if path.is_file():
             hf = PreTrainedTokenizerFast(tokenizer_file=str(path))
@@ -168,7 +169,7 @@ def fetch_from_hub(repo_id: str, *, allow_patterns: list[str], what: str) -> Pat
     Raises:
         TokenizerError: offline and not cached, unknown repository, or a network error (one line).
     """
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # lazy (module docstring)
 
     try:
         return Path(snapshot_download(repo_id, allow_patterns=allow_patterns, local_files_only=hub_offline()))

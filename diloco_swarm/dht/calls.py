@@ -94,7 +94,7 @@ def dht_run(dht, coroutine: Callable, *, timeout: float, what: str = "DHT call",
 
 def dht_visible_maddrs(dht, *, timeout: float = DHT_CALL_TIMEOUT_S) -> list:
     """``hivemind.DHT.get_visible_maddrs(latest=True)``, bounded. :raises ChildUnavailable."""
-    from hivemind import DHT
+    from hivemind import DHT  # the light client and the dashboard import this module without hivemind
 
     return dht_run(dht, partial(DHT._get_visible_maddrs, latest=True), timeout=timeout,
                    what="DHT visible addresses")

@@ -11,13 +11,18 @@ DHT keys of a run (see docs/protocol.md):
 from __future__ import annotations
 
 import fcntl
+import ipaddress
 import os
+import platform
 import re
+import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
 from hivemind import DHT
+from hivemind.p2p import PeerID, p2p_daemon
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -71,10 +76,6 @@ def peer_ids_of(maddrs: Sequence[str]) -> list[str]:
 
 def p2pd_problem() -> str | None:
     """Why hivemind's bundled libp2p daemon (``p2pd``) cannot run on this host, or None."""
-    import platform
-
-    from hivemind.p2p import p2p_daemon
-
     machine, system = platform.machine().lower(), platform.system()
     if system != "Linux" or machine not in ("x86_64", "amd64"):
         daemon = Path(p2p_daemon.__file__).parent.parent / "hivemind_cli" / "p2pd"
@@ -97,8 +98,6 @@ def check_port_free(host: str, port: int) -> None:
 
 def is_loopback_host(host: str) -> bool:
     """Whether ``--host`` is a loopback address (127.0.0.0/8, ::1)."""
-    import ipaddress
-
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -275,9 +274,6 @@ _TCP_MADDR = re.compile(r"^/(ip4|ip6)/([^/]+)/tcp/(\d+)(/|$)")  # host, port of 
 def _accepting_connections(maddrs: Sequence[str], timeout: float = 1.0) -> list[str]:
     """``host:port`` of the ``/ip4|ip6/…/tcp/PORT`` multiaddrs at which a TCP connect succeeds within
     ``timeout`` s (at most 8 tried, all at once): something listens there. Never raises."""
-    import socket
-    from concurrent.futures import ThreadPoolExecutor
-
     def accepts(addr: str) -> str | None:
         match = _TCP_MADDR.match(addr)
         if match is None:
@@ -305,8 +301,6 @@ def _nothing_listens(maddrs: Sequence[str]) -> bool:
 
 def _own_peer_id(identity_path: Path | None) -> str | None:
     """The peer id of the private key at ``identity_path`` (hivemind's identity file), or None."""
-    from hivemind.p2p import PeerID
-
     try:
         return PeerID.from_identity(Path(identity_path).read_bytes()).to_base58() if identity_path else None
     except Exception:

@@ -30,6 +30,9 @@ import trio
 from diloco_swarm.light import wire
 from diloco_swarm.light.verify import verified_dictionary, verified_value
 
+# "lazy": libp2p (~0.6 s) loads in the functions that use it: it cannot share a process with hivemind
+# (both register crypto.pb.KeyType), and tests import this module next to hivemind (tests/test_light.py).
+
 logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 5.0  # one dial, or one call on an open connection
@@ -61,7 +64,7 @@ def parse_peer_maddr(text: str):
 
     :raises LightError: not a multiaddr, or no ``/p2p/`` part.
     """
-    from libp2p.peer.peerinfo import info_from_p2p_addr
+    from libp2p.peer.peerinfo import info_from_p2p_addr  # lazy
 
     try:
         info = info_from_p2p_addr(multiaddr.Multiaddr(text))
@@ -131,7 +134,7 @@ class LightClient:
 
     async def connect(self, peer_id) -> float:
         """Dial ``peer_id`` at its known addresses. :returns: seconds taken. :raises LightError: unreachable."""
-        from libp2p.peer.peerinfo import PeerInfo
+        from libp2p.peer.peerinfo import PeerInfo  # lazy
 
         start = time.perf_counter()
         with trio.move_on_after(self.call_timeout_s) as scope:
@@ -161,6 +164,7 @@ class LightClient:
 
     async def resolve(self, peer_id, via) -> bool:
         """Ask connected peer ``via`` for ``peer_id``'s addresses (Kademlia FIND_NODE). :returns: whether we learned any."""
+        # lazy
         from libp2p.kad_dht.pb.kademlia_pb2 import Message
         from libp2p.peer.id import ID
 
@@ -270,7 +274,7 @@ class LightClient:
         :returns: raw key -> :class:`Found`; dictionary items merged across peers (the latest
             expiration of each subkey wins) and expired ones dropped, as hivemind does.
         """
-        from libp2p.peer.id import ID
+        from libp2p.peer.id import ID  # lazy
 
         ids = {key: wire.dht_id(key) for key in keys}
         found = {key: Found() for key in keys}
@@ -372,6 +376,7 @@ def _reason(e: BaseException) -> str:
 @asynccontextmanager
 async def open_client(call_timeout_s: float = CALL_TIMEOUT_S) -> AsyncIterator[LightClient]:
     """A started host with a fresh identity, Noise security and Yamux, listening nowhere."""
+    # lazy
     from libp2p import new_host
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair

@@ -11,7 +11,7 @@ __all__ = list(_FROM_GPT)
 
 def __getattr__(name: str):
     if name in _FROM_GPT:
-        from diloco_swarm.models import gpt
+        from diloco_swarm.models import gpt  # on first use: torch (module docstring)
 
         return getattr(gpt, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,6 +22,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+# "lazy": transformers (~0.6 s) loads on first use, and each class with its own module (LlamaConfig
+# ~0.8 s, AutoModelForCausalLM ~0.3 s): node/export.py imports this module for every export.
+
 # Shapes of LlamaConfig; vocab_size comes from the tokenizer. Parameter counts: tests/test_hf_models.py.
 LLAMA_PRESETS: dict[str, dict[str, int]] = {
     # ~3.5M with a 512-token vocabulary: CPUs and tests.
@@ -105,7 +108,7 @@ def llama_config(preset: str, vocab_size: int):
     Raises:
         ValueError: unknown preset.
     """
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # lazy
 
     if preset not in LLAMA_PRESETS:
         raise ValueError(f"unknown Llama preset {preset!r}; choose one of: {', '.join(LLAMA_PRESETS)}")
@@ -121,7 +124,7 @@ def model_from_config(config, seed: int, device: str = "cpu") -> CausalLM:
     The same config and seed give bitwise identical parameters on the same torch build (the
     global torch RNG is left as it was), so peers start from one θ without transferring it.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy
 
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
@@ -154,8 +157,8 @@ def has_weights(folder: Path) -> bool:
 
 def load_pretrained(folder: Path) -> CausalLM:
     """``AutoModelForCausalLM.from_pretrained(folder)`` in float32 on the CPU, in training mode."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoModelForCausalLM  # lazy
+    from transformers.utils import logging as hf_logging  # lazy
 
     hf_logging.disable_progress_bar()  # no "Loading weights: 100%" bar in the node's log
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)

@@ -17,8 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from diloco_swarm.data.tokenizer import (TOKENIZER_FILES, TokenizerError, _first_line, _looks_like_hub_id,
+                                         fetch_from_hub, hub_offline)
+
 if TYPE_CHECKING:
     from torch import nn
+
+# "lazy": torch (~1.5 s) and transformers (~0.6 s) load only where a model is built or an hf: config
+# read; join's --model check (cli/precheck.py) imports this module before the node loads them.
 
 BYTE_PRESETS = ("tiny", "small", "base")
 LLAMA_PRESET_NAMES = ("llama-tiny", "llama-150m", "llama-1b")  # keys of models.hf.LLAMA_PRESETS
@@ -62,8 +68,6 @@ def model_problem(arg: str) -> str | None:
     if arg in BYTE_PRESETS or arg in LLAMA_PRESET_NAMES:
         return None
     if arg.startswith(HF_PREFIX):
-        from diloco_swarm.data.tokenizer import _looks_like_hub_id, hub_offline
-
         name = arg[len(HF_PREFIX):]
         path = Path(os.path.expanduser(name))
         if path.exists():
@@ -95,8 +99,6 @@ def resolve_model(arg: str) -> ModelSource:
     name = arg[len(HF_PREFIX):]
     folder = Path(os.path.expanduser(name))
     if not folder.exists():
-        from diloco_swarm.data.tokenizer import TOKENIZER_FILES, TokenizerError, fetch_from_hub
-
         try:
             folder = fetch_from_hub(name, what="--model", allow_patterns=[
                 "config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
@@ -104,12 +106,10 @@ def resolve_model(arg: str) -> ModelSource:
         except TokenizerError as e:
             raise ModelError(str(e)) from None
     try:
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # lazy: transformers
 
         config = AutoConfig.from_pretrained(str(folder))
     except Exception as e:
-        from diloco_swarm.data.tokenizer import _first_line
-
         raise ModelError(f"--model {arg!r}: config.json cannot be read: {_first_line(e)}") from None
     _require_causal_lm(arg, config)
     return ModelSource(arg, "hf", folder, config)
@@ -146,7 +146,7 @@ def model_vocab_size(source: ModelSource, tokenizer_vocab: int, tokenizer_is_byt
                              f"llama-* preset or an hf: model with this tokenizer")
         return 256
     if source.kind == "llama":
-        from diloco_swarm.models.hf import padded_vocab
+        from diloco_swarm.models.hf import padded_vocab  # lazy: torch
 
         return padded_vocab(tokenizer_vocab)
     vocab = int(getattr(source.config, "vocab_size", 0) or 0)
@@ -166,10 +166,10 @@ def build(source: ModelSource, seed: int, vocab_size: int, device: str = "cpu") 
         ModelError: an hf: config that is not a causal LM, or weights that cannot be loaded.
     """
     if source.kind == "byte":
-        from diloco_swarm.models.gpt import build_model
+        from diloco_swarm.models.gpt import build_model  # lazy: torch
 
         return BuiltModel(build_model(source.arg, seed=seed, device=device), source.arg, 256)
-    from diloco_swarm.models import hf
+    from diloco_swarm.models import hf  # lazy: torch
 
     if source.kind == "llama":
         config = hf.llama_config(source.arg, vocab_size)
@@ -183,7 +183,5 @@ def build(source: ModelSource, seed: int, vocab_size: int, device: str = "cpu") 
             module = hf.model_from_config(source.config, seed, device)
             identity = f"hf:config={hf.config_identity(source.config)}"
     except Exception as e:
-        from diloco_swarm.data.tokenizer import _first_line
-
         raise ModelError(f"--model {source.arg!r} cannot be built as a causal language model: {_first_line(e)}") from None
     return BuiltModel(module, identity, vocab_size, source.config)

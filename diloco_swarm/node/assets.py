@@ -11,13 +11,24 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from diloco_swarm.data.corpus import BatchSampler, Corpus, load_corpus
+from diloco_swarm.data.corpus import held_out_batches as corpus_held_out_batches
 from diloco_swarm.data.files import DatasetError
+from diloco_swarm.data.hf_corpus import StreamSampler, load_hf_corpus, open_hub_stream, stream_held_out, token_dtype
+from diloco_swarm.data.hf_source import is_hf_dataset, parse_hf_dataset
+from diloco_swarm.data.tokenizer import BYTE, TOKENIZER_FILES, copy_tokenizer_files, load_tokenizer
+from diloco_swarm.models.registry import BYTE_PRESETS, build, model_vocab_size, resolve_model
 from diloco_swarm.spec import RunSpec
 
 MODEL_DIR = "model"  # in the state dir: config.json, tokenizer files, run-assets.json
@@ -37,9 +48,6 @@ def default_tokenizer(model_arg: str, tokenizer_arg: str | None, model_folder: P
     Raises:
         AssetError: no default applies.
     """
-    from diloco_swarm.data.tokenizer import BYTE, TOKENIZER_FILES
-    from diloco_swarm.models.registry import BYTE_PRESETS
-
     if tokenizer_arg:
         return tokenizer_arg
     if model_arg in BYTE_PRESETS:
@@ -81,24 +89,16 @@ class RunAssets:
     def sampler(self, batch_size: int, seq_len: int, seed: int, stream_id: str):
         """Per-peer training batches: ``batches_for_outer_step(outer_step, n)`` (data/corpus.py contract)."""
         if self.stream is not None:
-            from diloco_swarm.data.hf_corpus import StreamSampler
-
             open_stream, column = self.stream
             return StreamSampler(open_stream, column, self.tokenizer, batch_size, seq_len, seed, stream_id)
-        from diloco_swarm.data.corpus import BatchSampler
-
         return BatchSampler(self.corpus.train, batch_size, seq_len, seed=seed, stream_id=stream_id)
 
     def held_out_batches(self, batch_size: int, seq_len: int, n_batches: int):
-        from diloco_swarm.data.corpus import held_out_batches
-
         tokens = self.corpus.held_out if self.stream is None else self.held_out_stream_tokens
-        return held_out_batches(tokens, batch_size, seq_len, n_batches)
+        return corpus_held_out_batches(tokens, batch_size, seq_len, n_batches)
 
     def save_for_export(self, state_dir: Path) -> None:
         """Keep the config.json and tokenizer files next to the checkpoint (``state_dir/model/``)."""
-        from diloco_swarm.data.tokenizer import copy_tokenizer_files
-
         out = state_dir / MODEL_DIR
         out.mkdir(parents=True, exist_ok=True)
         if self.hf_config is not None:
@@ -125,10 +125,6 @@ def build_run_assets(spec: RunSpec, *, dataset: str | None, tokenizer_arg: str |
     Raises:
         DatasetError (AssetError, TokenizerError), ModelError: one line each.
     """
-    from diloco_swarm.data.hf_source import is_hf_dataset, parse_hf_dataset
-    from diloco_swarm.data.tokenizer import load_tokenizer
-    from diloco_swarm.models.registry import build, model_vocab_size, resolve_model
-
     source = resolve_model(spec.model)
     tok = load_tokenizer(default_tokenizer(spec.model, tokenizer_arg, source.folder))
     vocab = model_vocab_size(source, tok.vocab_size, tok.is_byte)
@@ -141,16 +137,12 @@ def build_run_assets(spec: RunSpec, *, dataset: str | None, tokenizer_arg: str |
                                     lambda progress: _load_local(hf_source, tok, max_bytes, progress))
             description = corpus.description
         else:
-            from diloco_swarm.data.hf_corpus import open_hub_stream, stream_held_out
-
             log(f"opening {hf_source.label()} from the Hugging Face Hub (streaming)")
             open_stream = open_hub_stream(hf_source)
             stream = (open_stream, hf_source.column)
             held_out_stream = stream_held_out(open_stream, hf_source.column, tok)
             corpus, description = None, hf_source.label()
     else:
-        from diloco_swarm.data.corpus import load_corpus
-
         corpus = load_corpus(dataset, max_bytes=max_bytes)
         if not tok.is_byte:
             corpus = _with_progress(log, f"tokenizing {corpus.description}",
@@ -174,18 +166,11 @@ def build_run_assets(spec: RunSpec, *, dataset: str | None, tokenizer_arg: str |
 
 
 def _load_local(source, tok, max_bytes, progress):
-    from diloco_swarm.data.hf_corpus import load_hf_corpus
-
     return load_hf_corpus(source, tok, max_bytes=max_bytes, progress=progress)
 
 
 def _tokenize_byte_corpus(corpus, tok, progress):
     """Re-tokenize a text-file corpus (bytes) with a Hugging Face tokenizer, in 64 KiB line-aligned chunks."""
-    import numpy as np
-
-    from diloco_swarm.data.corpus import Corpus
-    from diloco_swarm.data.hf_corpus import token_dtype
-
     dtype = token_dtype(tok.vocab_size)
 
     def encode(data) -> np.ndarray:
@@ -208,11 +193,6 @@ def _tokenize_byte_corpus(corpus, tok, progress):
 
 def _with_progress(log: Callable[[str], None], what: str, work: Callable[[Callable[[int, int], None]], Any]):
     """Run ``work(progress)`` under a rich progress bar on stderr (when it is a terminal); log the outcome."""
-    import sys
-
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     t0 = time.monotonic()  # no line before the work: a bad dataset must end in one error line only
     console = Console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

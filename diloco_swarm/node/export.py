@@ -18,10 +18,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
+from diloco_swarm.data.tokenizer import TOKENIZER_FILES, TokenizerError, load_tokenizer
+from diloco_swarm.models import hf
+from diloco_swarm.models.gpt import build_model
+from diloco_swarm.models.registry import BYTE_PRESETS, LLAMA_PRESET_NAMES
 from diloco_swarm.node.assets import ASSETS_FILE, MODEL_DIR
 from diloco_swarm.node.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+from diloco_swarm.spec import RunSpec
+
+# "lazy": transformers (~0.6 s) and its classes (AutoConfig ~0.3 s, GPT-2's ~1.2 s) load on first use:
+# an export, and node_model (tests), load only those of their model.
 
 EXPORT_INFO = "diloco-export.json"
 _GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -38,10 +47,6 @@ def read_global_state(state_dir: Path) -> tuple[Any, list[torch.Tensor], dict[st
         ExportError: no state dir or no checkpoint, or a checkpoint without a valid spec or θ.
         CheckpointError: the checkpoint is corrupt or truncated.
     """
-    from pydantic import ValidationError
-
-    from diloco_swarm.spec import RunSpec
-
     if not state_dir.is_dir():
         raise ExportError(f"--state-dir {state_dir} does not exist; pass the --state-dir of a node that trained")
     ckpt = load_checkpoint(checkpoint_path(state_dir))
@@ -68,19 +73,13 @@ def node_model(state_dir: Path) -> tuple[nn.Module, Any, Any]:
         ExportError, CheckpointError: see :func:`read_global_state`; a model config that is missing
             (an hf: model whose ``STATE_DIR/model/config.json`` is gone) or θ that does not fit it.
     """
-    from diloco_swarm.models.registry import BYTE_PRESETS, LLAMA_PRESET_NAMES
-
     spec, theta, _ = read_global_state(state_dir)
     if spec.model in BYTE_PRESETS:
-        from diloco_swarm.models.gpt import build_model
-
         module, config = build_model(spec.model, seed=0), None
     else:
-        from diloco_swarm.models import hf
-
         folder = state_dir / MODEL_DIR
         if (folder / "config.json").is_file():
-            from transformers import AutoConfig
+            from transformers import AutoConfig  # lazy
 
             config = AutoConfig.from_pretrained(str(folder))
         elif spec.model in LLAMA_PRESET_NAMES:
@@ -106,7 +105,7 @@ def gpt_to_gpt2(module: nn.Module):
     Raises:
         ExportError: the weights do not map (a GPT-2 of this transformers version lacks a parameter).
     """
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel  # lazy
 
     c = module.config
     config = GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
@@ -152,7 +151,7 @@ def export_model(state_dir: Path, out: Path) -> dict[str, Any]:
         module, spec, config = node_model(state_dir)
         _, _, ckpt = read_global_state(state_dir)
         hf_model = gpt_to_gpt2(module) if config is None else module.hf
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # lazy
 
         hf_logging.disable_progress_bar()  # one summary line from the CLI instead
         tokenizer_files = _copy_tokenizer(state_dir / MODEL_DIR, tmp)
@@ -184,8 +183,6 @@ def _use_tokenizer_special_ids(hf_model, folder: Path) -> None:
     A preset's ``LlamaConfig`` keeps transformers' defaults (bos 1, eos 2), which name other tokens
     of a run's own tokenizer: ``generate()`` would stop on the wrong one. Training never reads them.
     """
-    from diloco_swarm.data.tokenizer import TokenizerError, load_tokenizer
-
     try:
         tok = load_tokenizer(str(folder))._hf
     except TokenizerError:
@@ -198,8 +195,6 @@ def _use_tokenizer_special_ids(hf_model, folder: Path) -> None:
 
 
 def _copy_tokenizer(folder: Path, out: Path) -> list[str]:
-    from diloco_swarm.data.tokenizer import TOKENIZER_FILES
-
     names = []
     info = folder / ASSETS_FILE
     if info.is_file():

@@ -32,7 +32,7 @@ def build_inner_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: f
     :raises ValueError: an unknown ``name``.
     :raises InnerOptimizerError: ``adamw8bit`` without bitsandbytes installed.
     """
-    import torch
+    import torch  # here, not at the top: the CLI imports INNER_OPTIMIZERS for --help (torch ~1.5 s)
 
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
@@ -57,7 +57,7 @@ def import_bitsandbytes():
     if hidden:
         sys.modules["kernels"] = None  # ImportError inside bitsandbytes: no Hub call
     try:
-        import bitsandbytes
+        import bitsandbytes  # only when chosen (adamw8bit), with the Hub kernels hidden as above
     except ImportError as e:
         raise InnerOptimizerError(f"--inner-optimizer adamw8bit needs bitsandbytes ({e}); install it with "
                                   "pip install bitsandbytes, or use --inner-optimizer adamw") from None

@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 from hivemind.utils.multiaddr import Multiaddr
 
+from diloco_swarm.utils.net import port_problem
+
 logger = logging.getLogger(__name__)
 
 FILE_NAME = "peers.json"
@@ -46,8 +48,6 @@ def previous_port(state_dir: Path, host: str) -> int:
     Other peers keep this node's multiaddrs (in their ``peers.json``, in the join lines users paste),
     so a restart with ``--port 0`` on the same port keeps those addresses valid: a whole run restarted
     at once finds itself again."""
-    from diloco_swarm.utils.net import port_problem
-
     try:
         port = int((Path(state_dir) / PORT_FILE).read_text(encoding="ascii").strip())
     except (OSError, ValueError):

@@ -18,10 +18,14 @@ them back (``Housekeeping.upkeep``, node/housekeeping.py, at most every :data:`R
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
 from typing import Callable, Sequence
+
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
 
 from diloco_swarm.dht.calls import dht_run
 
@@ -41,11 +45,6 @@ class DialPeers:
         self.maddrs, self.timeout = list(maddrs), timeout
 
     async def __call__(self, _dht, node) -> int:
-        import asyncio
-
-        from hivemind.p2p import PeerID
-        from hivemind.utils.multiaddr import Multiaddr
-
         answered: set[str] = set()
         for addr in self.maddrs:
             try:
@@ -72,11 +71,6 @@ class ReconnectPeers:
         self.peers, self.timeout, self.max_dials = {p: list(a) for p, a in peers.items()}, timeout, max_dials
 
     async def __call__(self, _dht, node) -> tuple[int, int]:
-        import asyncio
-
-        from hivemind.p2p import PeerID
-        from hivemind.utils.multiaddr import Multiaddr
-
         missing = answered = 0
         for peer, maddrs in self.peers.items():
             try:
@@ -117,10 +111,6 @@ class ProbePeers:
         self.only_answers_count = only_answers_count
 
     async def __call__(self, _dht, node) -> list[str]:
-        import asyncio
-
-        from hivemind.p2p import PeerID
-
         async def gone(peer: str) -> bool:
             try:
                 peer_id = PeerID.from_base58(peer)

@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 from typing import Callable, Mapping
 
+from diloco_swarm.node.redial import Redialer
+
 logger = logging.getLogger(__name__)
 
 EXIT_PART_LOST = 3  # the exit code of a node that lost its DHT, averager or p2pd (the checkpoint is kept)
@@ -178,8 +180,6 @@ class Supervisor:
         self._parts: tuple = ()
 
     def start(self, dht, averager, redial_known: list[str]) -> None:
-        from diloco_swarm.node.redial import Redialer  # (redial.py loads the DHT's call helpers)
-
         self._parts = (averager, dht)
         self._watchdog = Watchdog(node_parts(dht, averager), self._part_lost).start()
         if redial_known:

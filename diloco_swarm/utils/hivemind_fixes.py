@@ -84,8 +84,16 @@ import signal
 import stat
 import sys
 import tempfile
+import threading
 import time
 import traceback
+
+import torch.multiprocessing
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging import averager as averager_module
+from hivemind.averaging.key_manager import GroupKeyManager
+from hivemind.dht import DHT
+from hivemind.p2p import P2P
 
 from diloco_swarm.utils.signals import STOP_SIGNALS
 
@@ -364,10 +372,6 @@ def _start_shm_manager_sheltered() -> None:
     """Start torch's shared-memory manager now, immune to the stop signals (see the module docstring).
     Only from the main thread (signal dispositions can be changed there only) and only for the
     "file_system" sharing strategy (the only one that uses the manager); a no-op once it runs."""
-    import threading
-
-    import torch.multiprocessing
-
     if threading.current_thread() is not threading.main_thread():
         return
     if torch.multiprocessing.get_sharing_strategy() != "file_system":
@@ -429,9 +433,6 @@ def _serve_states(serializer, pipe, get_current_state_ref) -> None:
 
 def patch_hivemind() -> None:
     """Apply the fixes to hivemind's classes (idempotent; must run before DHTs/averagers fork)."""
-    from hivemind.averaging import DecentralizedAverager
-    from hivemind.dht import DHT
-
     run_coroutine = DHT.__dict__.get("_run_coroutine")
     if run_coroutine is not None and not getattr(run_coroutine, "__keeps_task_alive__", False) and not getattr(
         run_coroutine, "__replies_unless_cancelled__", False
@@ -451,11 +452,7 @@ def patch_hivemind() -> None:
         run = cls.__dict__.get("run")
         if run is not None and not getattr(run, "__dies_with_parent__", False):
             setattr(cls, "run", _run_dying_with_parent(run))
-    from hivemind.averaging import averager as averager_module
-
     averager_module._background_thread_fetch_current_state = _serve_states  # (read when an averager is built)
-    from hivemind.averaging.key_manager import GroupKeyManager
-
     if not getattr(GroupKeyManager.get_averagers, "__paced__", False):
         GroupKeyManager.get_averagers = _paced_get_averagers(GroupKeyManager.get_averagers)
     for name in ("hivemind.dht.dht", "hivemind.averaging.averager"):
@@ -473,8 +470,6 @@ def patch_hivemind() -> None:
     partition_log = logging.getLogger("hivemind.averaging.partition")
     if not any(isinstance(f, _QuietPartialResults) for f in partition_log.filters):
         partition_log.addFilter(_QuietPartialResults())
-    from hivemind.p2p import P2P
-
     if not getattr(P2P, "__own_socket_dir__", False):
         socket_dir = _own_socket_dir()
         if socket_dir is not None:
