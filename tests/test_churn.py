@@ -569,6 +569,44 @@ def test_sigkill_of_main_process_only_allows_restart(tmp_path):
                     pass
 
 
+# ---------------------------------------------------------------------------------- a dead peer at the start barrier
+DEAD_HOLD_S = 20.0  # the start barrier holds this long with 2 live peers and a dead one's fresh record (the old count started in 8 s)
+
+
+@pytest.mark.timeout(600)
+def test_the_start_barrier_counts_only_live_peers(tmp_path):
+    # issue 37: A waits for 3 peers; B is SIGKILLed as soon as A has seen it, and its record stays in the
+    # DHT for up to 3 re-signing periods (15 s); C, started as B came up, comes within that time
+    with ChurnSwarm(tmp_path, "deadwait", extra=["--wait-for-peers", "3"]) as swarm:
+        a = swarm.start("a", timeout=START_S)
+        b = swarm.start("b", initial=a, timeout=START_S)
+        c = swarm.start("c", initial=a, wait_start=False)
+        swarm.wait_alive(lambda: "2 of 3 peers live" in a.output(), 15, "A saw B", alive=(a, b))
+        killed_at = crash(b)
+        swarm.wait_alive(lambda: c.events("start"), START_S, "C started", alive=(a, c))
+        came = c.events("start")[0]["time"]
+        print(f"B killed {killed_at - b.events('start')[0]['time']:.1f}s after its start; C started "
+              f"{came - killed_at:.1f}s after the kill")
+        while time.time() < came + DEAD_HOLD_S:  # 2 live peers of 3: nobody starts training
+            swarm.assert_alive(a, c)
+            started = [n.name for n in (a, c) if n.events("eval") or n.events("averaging_start")]
+            assert not started, (f"{started} started training with 2 live peers of 3 (B was SIGKILLed "
+                                 f"{time.time() - killed_at:.1f}s ago)\n{a.output()[-3000:]}")
+            time.sleep(0.5)
+        said = a.output()
+        # A read B's record beside C's, and did not count it
+        assert "2 of 3 peers live (us included); not counted: 1" in said, (
+            f"A never read B's record beside C's (it expired first: C came late?)\n{said[-3000:]}")
+        assert "peers showed up; starting anyway" not in said, said[-3000:]
+
+        d = swarm.start("d", initial=a, wait_start=False)
+        swarm.wait_alive(lambda: all(n.events("averaging_start") for n in (a, c, d)), START_S + 60,
+                         "the three live peers started training", alive=(a, c, d))
+        joined = d.events("start")[0]["time"]
+        assert all(n.events("eval")[0]["time"] > joined for n in (a, c)), "started before the third live peer came"
+        assert "3 of 3 peers live (us included)" in a.output(), a.output()[-3000:]
+
+
 # ---------------------------------------------------------------------------------- restart without --initial-peers
 @pytest.mark.timeout(900)
 def test_restarted_first_node_rejoins_through_the_peers_it_saw(tmp_path):

@@ -73,6 +73,28 @@ def test_a_record_that_stops_changing_counts_as_silent_from_the_first_read_of_it
     assert "a" in view.recent_peers  # gone from the read, still pinged for a while: the DHT may have dropped it
 
 
+def test_the_start_barrier_counts_peers_whose_records_are_fresh_and_whose_ping_did_not_fail(monkeypatch):
+    # Startup._live_peers (--wait-for-peers): a SIGKILLed peer's record stays fresh for up to 15 s, its ping fails
+    from diloco_swarm.node import startup
+
+    asked = []
+
+    def gone_peers(dht, peers, **kwargs):
+        asked.append((sorted(peers), kwargs.get("banned_is_gone")))
+        return {"killed"}
+
+    monkeypatch.setattr(startup, "gone_peers", gone_peers)
+    node = SimpleNamespace(swarm=SwarmView(me="me"), records=SimpleNamespace(interval_s=5.0), peer_id="me", dht=None,
+                           stop=SimpleNamespace(event=None))
+    rec = lambda reachability="public": SimpleNamespace(updated=3.0, inner_step_s=0.0, phase_eta=0.0,  # noqa: E731
+                                                        reachability=reachability, maddrs=[])
+    node.swarm.heard = {"silent": (3.0, time.monotonic() - 11.0)}  # its record unchanged for over 2 periods
+    records = {"me": rec(), "live": rec(), "killed": rec(), "client": rec("client"), "silent": rec()}
+    assert startup.Startup._live_peers(node, records) == {"live", "client"}
+    # a client serves no DHT calls (its record alone counts); a hung ping is no death, even while banned
+    assert asked == [(["killed", "live"], False)]
+
+
 def make_round(records=None, **parts) -> Round:
     """A :class:`Round` over stand-ins: no DHT, averager or node (``records``: what each read returns)."""
     defaults = dict(cfg=SimpleNamespace(averaging_window=30.0, matchmaking_time=2.0, group_size=64, max_group_size=64,

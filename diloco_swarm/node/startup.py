@@ -25,7 +25,7 @@ from diloco_swarm.averaging.reachability import check_reachability, transport_ad
 from diloco_swarm.averaging.state_sharing import state_donors
 from diloco_swarm.dht.calls import ChildUnavailable
 from diloco_swarm.dht.publisher import PeerRecordPublisher
-from diloco_swarm.dht.records import read_peer_records
+from diloco_swarm.dht.records import live_records, read_peer_entries
 from diloco_swarm.dht.signing import record_validators
 from diloco_swarm.dht.swarm import (BootstrapFailed, InitialPeersAreUs, StateDirLock, SwarmError, ensure_run_spec,
                                     peer_ids_of, start_dht, visible_maddrs)
@@ -40,10 +40,13 @@ from diloco_swarm.node.known_peers import known_peers_path, load_known_peers, pr
 from diloco_swarm.node.mixing import ThetaMixer
 from diloco_swarm.node.outer import OuterOptimizer
 from diloco_swarm.node.outer_sync import OuterSync
+from diloco_swarm.node import round_policy as policy
+from diloco_swarm.node.redial import gone_peers
 from diloco_swarm.node.round import Round, RoundParts
 from diloco_swarm.node.statesync import StateSync
 
 ROUND_MARGIN_S = 30.0  # past the round's own time bounds, a phase gives the round up
+WAIT_READ_EVERY_S = 1.0  # the start barrier reads the records (and pings the peers) this often
 
 
 def _is_loopback(maddr: str) -> bool:
@@ -425,18 +428,44 @@ class Startup:
         self.state.outer.copy_to(self.params)
 
     def _wait_for_peers(self) -> None:
-        """Optional start barrier (``--wait-for-peers N``): wait until N peers, us included, are up."""
+        """Optional start barrier (``--wait-for-peers N``): wait, at most ``wait_for_peers_timeout``
+        seconds, until N peers, us included, are live (:meth:`_live_peers`). A line each time the
+        count changes."""
         want = self.cfg.wait_for_peers
         if want <= 1:
             return
         deadline = time.monotonic() + self.cfg.wait_for_peers_timeout
         self.status.log(f"waiting for {want} peers (at most {self.cfg.wait_for_peers_timeout:.0f}s)")
+        said, live = None, 1
         while not self.stop.requested:
-            # clients are not state donors, but every peer publishes a record
-            seen = max(1 + len(self.averager.donors()), len(read_peer_records(self.dht, self.spec.run_id)))
-            if seen >= want:
-                return
+            entries = read_peer_entries(self.dht, self.spec.run_id)
+            if entries is not None:  # (None: the DHT did not answer this read; the count stands)
+                records = live_records(entries)
+                counted = self._live_peers(records)
+                live, uncounted = 1 + len(counted), len(set(records) - counted - {self.peer_id})
+                if (live, uncounted) != said:
+                    said = (live, uncounted)
+                    dead = (f"; not counted: {uncounted} whose record is silent or whose process is gone"
+                            if uncounted else "")
+                    self.status.log(f"{live} of {want} peers live (us included){dead}")
+                if live >= want:
+                    return
             if time.monotonic() > deadline:
-                self.status.log(f"only {seen} of {want} peers showed up; starting anyway")
+                self.status.log(f"only {live} of {want} peers showed up; starting anyway")
                 return
-            time.sleep(0.5)
+            self.stop.event.wait(WAIT_READ_EVERY_S)
+
+    def _live_peers(self, records: dict[str, Any]) -> set[str]:
+        """The other peers of ``records`` (peer id -> record, one read) that are live: their record
+        changed within :data:`~diloco_swarm.node.round_policy.SILENT_RECORDS` re-signing periods as we
+        read it (``SwarmView``), and, unless they are clients (they serve no DHT calls), a ping now did
+        not fail (``redial.gone_peers``; a probe that could not run finds nobody gone). A SIGKILLed
+        peer's record stays fresh in the DHT for up to 3 re-signing periods, but its ping fails; a ping
+        that only hangs is no death (a slow peer on a loaded machine): a peer whose process is stuck for
+        good falls silent instead."""
+        self.swarm.note(records)
+        now = time.monotonic()
+        max_silent_s = policy.SILENT_RECORDS * self.records.interval_s
+        fresh = {p for p in records if p != self.peer_id and self.swarm.silent_s(p, now) <= max_silent_s}
+        askable = [p for p in fresh if records[p].reachability != "client"]
+        return fresh - gone_peers(self.dht, askable, stop=self.stop.event, banned_is_gone=False)

@@ -1,6 +1,7 @@
 """What one peer knows of the swarm from the signed records it read (dht/records.py).
 
-Written by the housekeeping thread (every upkeep) and the averaging thread (once per round); read
+Written by the housekeeping thread (every upkeep), the averaging thread (once per round) and, before
+training, the training thread (the ``--wait-for-peers`` barrier: ``Startup._live_peers``); read
 by the training thread (DyLU), the round (who is silent, the grid's members) and the end of a run
 (whom to wait for). Each attribute is replaced whole, never changed in place, so readers on other
 threads need no lock.
