@@ -30,6 +30,9 @@ Every ``--fault`` adds one fault (any number; none: an honest node); the other a
                    applied in each round to STATE_DIR/rounds/*.pt (tests/test_nat.py checks them)
   slow-donation=MS this peer sends each 64 KiB part of a state it donates MS milliseconds apart, MS ≥ 1
                    (a donor behind a home uplink: 30 ms is about 17 Mbit/s)
+  clock-step=S@T   T seconds after this peer starts training, its machine's clock reads S seconds more
+                   (S < 0: back), in its DHT and averager processes too, as NTP steps a laptop's clock
+                   after sleep; touches STATE_DIR/clock-stepped then (S ≠ 0, T ≥ 0)
 """
 
 # How: the node and its averager are the product's, subclassed (as hivemind's
@@ -46,6 +49,7 @@ import asyncio
 import dataclasses
 import errno
 import math
+import multiprocessing.sharedctypes
 import sys
 import threading
 import time
@@ -174,6 +178,63 @@ class ClaimAheadNode(Node):
         return {**record, "outer_step": step, "theta_marks": marks}
 
 
+# --- a clock that steps (clock-step=S@T) ---------------------------------------------------------
+CLOCK_STEP_MARKER_NAME = "clock-stepped"
+_WALL_TIME, _WALL_TIME_NS = time.time, time.time_ns  # the machine's clock, as Python reads it
+_clock_step_s = 0.0
+_clock_step_at = None  # time.monotonic() of the step, in shared memory: the forked DHT and averager step with us
+
+
+def parse_clock_step(text: str, value: str) -> tuple[float, float]:
+    """``S@T`` → (S, T). :raises UsageError: not two finite numbers, S = 0 or T < 0."""
+    step, _, after = value.partition("@")
+    try:
+        s, t = float(step), float(after)
+    except ValueError:
+        s = t = math.nan
+    if not (math.isfinite(s) and math.isfinite(t) and s != 0.0 and t >= 0.0):
+        raise UsageError(f"--fault clock-step=S@T needs seconds S ≠ 0 and T ≥ 0 (e.g. clock-step=-30@20); got '{text}'")
+    return s, t
+
+
+def _stepped_time() -> float:
+    return _WALL_TIME() + (_clock_step_s if time.monotonic() >= _clock_step_at.value else 0.0)
+
+
+def _stepped_time_ns() -> int:
+    return _WALL_TIME_NS() + (int(_clock_step_s * 1e9) if time.monotonic() >= _clock_step_at.value else 0)
+
+
+def install_clock_step(step_s: float) -> None:
+    """Replace this process's wall clock by one that reads ``step_s`` more once the step is armed
+    (:class:`ClockStepNode`): ``time.time``, ``time.time_ns`` and every module's ``get_dht_time`` that is
+    still the wall clock (hivemind's is ``time.time`` itself, bound where it is imported). Call it before
+    the node forks its DHT and averager processes: they inherit the replacement and the shared moment.
+    The libp2p daemon (Go, another program) keeps the real clock; libp2p's handshakes carry no time."""
+    global _clock_step_s, _clock_step_at
+    _clock_step_s = step_s
+    _clock_step_at = multiprocessing.sharedctypes.RawValue("d", math.inf)
+    time.time, time.time_ns = _stepped_time, _stepped_time_ns
+    for name, module in list(sys.modules.items()):
+        if name.partition(".")[0] in ("hivemind", "diloco_swarm") and getattr(module, "get_dht_time", None) is _WALL_TIME:
+            module.get_dht_time = _stepped_time
+
+
+class ClockStepNode(Node):
+    """``clock-step=S@T``: arms the step (:func:`install_clock_step`) ``clock_step_after_s`` after training starts."""
+
+    clock_step_after_s = 0.0
+
+    def _start(self) -> bool:
+        started = super()._start()
+        if _clock_step_at is not None:
+            _clock_step_at.value = time.monotonic() + self.clock_step_after_s
+            marker = threading.Timer(self.clock_step_after_s, (self.cfg.state_dir / CLOCK_STEP_MARKER_NAME).touch)
+            marker.daemon = True
+            marker.start()
+        return started
+
+
 # --- faulty averagers (``state_dir``: the node's, set by faulty_averager) --------------------------
 class NonFiniteScalesCodec(codec.Int8BlockwiseCodec):
     def compress(self, tensor, info, allow_inplace=False):
@@ -270,21 +331,21 @@ def faulty_averager(faults: tuple[type[PseudoGradientAverager], ...], state_dir:
 # --- the entry point ------------------------------------------------------------------------------
 NODE_FAULTS: dict[str, type[Node]] = {"claim-ahead": ClaimAheadNode, "disk-full": DiskFullNode, "late-end": LateEndNode,
                                       "late-before-end": LateBeforeEndNode, "slowdown": SlowInnerSteps,
-                                      "dump-rounds": DumpRoundsNode}
+                                      "dump-rounds": DumpRoundsNode, "clock-step": ClockStepNode}
 AVERAGER_FAULTS: dict[str, type[PseudoGradientAverager]] = {
     "nan": NonFiniteScalesAverager, "huge": HugeContributionAverager, "stall-allreduce": StallingAverager,
     "withhold-digest": WithholdingAverager, "drop-part": DroppingAverager, "lonely": LonelyAverager,
     "slow-donation": SlowDonatingAverager}
-VALUED = {"slowdown": "F", "slow-donation": "MS"}  # the faults that take a value, and its name in the help
+VALUED = {"slowdown": "F", "slow-donation": "MS", "clock-step": "S@T"}  # the faults that take a value, and its name in the help
 FAULTS = ("nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part", "lonely", "disk-full",
-          "late-end", "late-before-end", "slowdown", "dump-rounds", "slow-donation")  # in the order of the help
+          "late-end", "late-before-end", "slowdown", "dump-rounds", "slow-donation", "clock-step")  # in the order of the help
 
 
 class UsageError(ValueError):
     """A bad ``--fault`` (said in one line, exit code 2)."""
 
 
-def parse_fault(text: str) -> tuple[str, float | None]:
+def parse_fault(text: str) -> tuple[str, float | tuple[float, float] | None]:
     """``NAME`` or ``NAME=VALUE`` → (name, value or None). :raises UsageError: not a fault, or a bad value."""
     name, has_value, value = text.partition("=")
     if name not in FAULTS:
@@ -294,6 +355,8 @@ def parse_fault(text: str) -> tuple[str, float | None]:
         if has_value:
             raise UsageError(f"--fault {name} takes no value; got '{text}'")
         return name, None
+    if name == "clock-step":
+        return name, parse_clock_step(text, value)
     try:
         number = float(value)
     except ValueError:
@@ -303,13 +366,13 @@ def parse_fault(text: str) -> tuple[str, float | None]:
     return name, number
 
 
-def split_faults(args: list[str]) -> tuple[dict[str, float | None], list[str]]:
+def split_faults(args: list[str]) -> tuple[dict[str, float | tuple[float, float] | None], list[str]]:
     """Take every ``--fault NAME[=VALUE]`` (or ``--fault=NAME[=VALUE]``) out of ``join``'s arguments.
 
     :returns: the faults (name → value; the last one of a name wins) and the other arguments, in order.
     :raises UsageError: a bad fault, or ``--fault`` without one.
     """
-    faults: dict[str, float | None] = {}
+    faults: dict[str, float | tuple[float, float] | None] = {}
     rest: list[str] = []
     items = iter(args)
     for arg in items:
@@ -329,11 +392,12 @@ def split_faults(args: list[str]) -> tuple[dict[str, float | None], list[str]]:
     return faults, rest
 
 
-def node_class(faults: dict[str, float | None]) -> type[Node]:
+def node_class(faults: dict[str, float | tuple[float, float] | None]) -> type[Node]:
     """The product's node with these faults' subclasses mixed in (averager faults in its averager)."""
     nodes = tuple(NODE_FAULTS[name] for name in FAULTS if name in faults and name in NODE_FAULTS)
     averagers = tuple(AVERAGER_FAULTS[name] for name in FAULTS if name in faults and name in AVERAGER_FAULTS)
-    attrs = {"averager_faults": averagers, "slowdown": faults.get("slowdown") or 1.0}
+    attrs = {"averager_faults": averagers, "slowdown": faults.get("slowdown") or 1.0,
+             "clock_step_after_s": (faults.get("clock-step") or (0.0, 0.0))[1]}
     SlowDonatingAverager.part_delay_s = (faults.get("slow-donation") or 0.0) / 1000
     return type("FaultyNode", (*nodes, FaultyNode), attrs)
 
@@ -353,6 +417,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     if "--help" in rest:
         print(__doc__.strip() + "\n")  # then join's own help
+    if "clock-step" in faults:
+        install_clock_step(faults["clock-step"][0])  # before the node forks its DHT and averager
     runner.Node = node_class(faults)  # `diloco-node join` imports its node class from there as it starts the node
     from diloco_swarm.cli import main as diloco_node
 

@@ -4,7 +4,9 @@ The record (records.py) is re-signed and stored every ``interval_s`` (5 s) by a 
 and expires ``3 * interval_s`` after it was stored; a peer that leaves overwrites it with a
 tombstone (``None``), which readers skip, so it disappears at once. Before the first store, the
 publisher checks that no other node publishes records of our peer id (a copied state dir:
-:func:`identity_in_use`) and refuses to start if one does.
+:func:`identity_in_use`) and refuses to start if one does. Times are the node's own clock
+(utils/clock.py), which a step of the machine's clock does not move; the publisher's thread says in
+one line when the machine's clock has stepped away from it (:class:`~diloco_swarm.utils.clock.ClockWatch`).
 
     publisher = PeerRecordPublisher(dht, run_id, record_validators(run_id, state_dir), snapshot)
     publisher.start(); ...; publisher.publish_now(); ...; publisher.stop()
@@ -21,12 +23,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from hivemind.utils import get_dht_time
-
 from diloco_swarm.dht.calls import ChildGone, dht_store
 from diloco_swarm.dht.errors import SwarmError
 from diloco_swarm.dht.records import normalize_snapshot, owner_fingerprint, read_peer_entries, records_key
 from diloco_swarm.dht.signing import signature_validator
+from diloco_swarm.utils import clock
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ class PeerRecordPublisher:
         self._thread: threading.Thread | None = None
         self._last_expiration = 0.0
         self._last_problem = ""  # logged once until a store succeeds again (not a line every 5 s)
+        self._clock = clock.ClockWatch()
+        self._outer_step = 0  # of the last record stored (for the clock's line)
         self.published = 0  # successful stores (for tests and logs)
 
     @property
@@ -131,6 +134,9 @@ class PeerRecordPublisher:
     def _loop(self) -> None:
         while not self._stopped.is_set():
             self.publish_now()
+            line = self._clock.check(f"at outer step {self._outer_step}")
+            if line is not None:
+                logger.warning(line)
             self._wake.wait(self.interval_s)
             self._wake.clear()
 
@@ -140,9 +146,10 @@ class PeerRecordPublisher:
             with self._lock:
                 if self._stopped.is_set():
                     return False
-                value = normalize_snapshot({**self.snapshot(), "updated": time.time()})
+                value = normalize_snapshot({**self.snapshot(), "updated": clock.now()})
+                self._outer_step = value["outer_step"]
                 self._note_updated(value["updated"])
-                ok = self._store(value, get_dht_time() + 3 * self.interval_s)
+                ok = self._store(value, clock.now() + 3 * self.interval_s)
                 if ok:
                     self._last_problem = ""
                 return ok
@@ -197,7 +204,7 @@ class PeerRecordPublisher:
                 if not self._lock.acquire(timeout=STORE_TIMEOUT_S + 1):
                     raise TimeoutError("the publisher is stuck in a DHT call")
                 try:
-                    self._store(None, get_dht_time() + 3 * self.interval_s)
+                    self._store(None, clock.now() + 3 * self.interval_s)
                 finally:
                     self._lock.release()
             except ChildGone:  # the signal to our process group reached the DHT while we stored

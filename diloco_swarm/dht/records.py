@@ -23,7 +23,6 @@ import hashlib
 import logging
 import math
 import re
-import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Literal, Optional
 
@@ -31,6 +30,7 @@ import pydantic.v1 as pv1
 
 from diloco_swarm.dht.lineages import DIGEST_PATTERN, MAX_THETA_MARKS, marks_of
 from diloco_swarm.dht.calls import dht_get
+from diloco_swarm.utils import clock
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def normalize_snapshot(snapshot: dict[str, Any], *, now: float | None = None) ->
     round_in_flight = snapshot.get("averaging_round")
     out["averaging_round"] = None if round_in_flight is None else _int(round_in_flight, MAX_COUNT)
     if not out["updated"]:
-        out["updated"] = float(time.time() if now is None else now)
+        out["updated"] = float(clock.now() if now is None else now)
     PeerRecord.parse_obj(out)  # raises ValueError (pydantic's ValidationError) on a bad peer_id
     return out
 

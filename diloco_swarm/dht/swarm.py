@@ -23,12 +23,12 @@ from typing import Any, Sequence
 
 from hivemind import DHT
 from hivemind.p2p import PeerID, p2p_daemon
-from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from diloco_swarm.dht.errors import SwarmError  # noqa: F401  (re-exported: callers catch it from here)
 from diloco_swarm.dht.calls import DHT_CALL_TIMEOUT_S, dht_get, dht_run, dht_store, dht_visible_maddrs
 from diloco_swarm.spec import RunSpec, SpecMismatch
+from diloco_swarm.utils import clock
 from diloco_swarm.utils import hivemind_fixes  # noqa: F401  (patches hivemind before any DHT forks)
 from diloco_swarm.utils.net import host_problem, port_problem
 
@@ -379,4 +379,4 @@ def refresh_run_spec(dht: DHT, spec: RunSpec) -> None:
     found = dht_get(dht, f"{spec.run_id}_spec", latest=True)
     if found is not None and _spec_differences(spec, found.value):
         return
-    dht_store(dht, f"{spec.run_id}_spec", spec.model_dump(), expiration_time=get_dht_time() + SPEC_TTL_S)
+    dht_store(dht, f"{spec.run_id}_spec", spec.model_dump(), expiration_time=clock.now() + SPEC_TTL_S)

@@ -29,6 +29,7 @@ import trio
 
 from diloco_swarm.light import wire
 from diloco_swarm.light.verify import verified_dictionary, verified_value
+from diloco_swarm.utils import clock
 
 # "lazy": libp2p (~0.6 s) loads in the functions that use it: it cannot share a process with hivemind
 # (both register crypto.pb.KeyType), and tests import this module next to hivemind (tests/test_light.py).
@@ -334,7 +335,7 @@ class LightClient:
                 async with trio.open_nursery() as nursery:
                     for b58 in batch:
                         nursery.start_soon(ask, b58)
-        now = time.time()
+        now = clock.now()  # (a dashboard runs for days: a step of this machine's clock must not drop the records)
         for f in found.values():
             f.items = {k: v for k, v in f.items.items() if v[1] >= now}
         return found
@@ -359,7 +360,7 @@ class LightClient:
             f.holders.add(source)
         elif res.type == wire.FOUND_REGULAR and not is_records:  # a regular value under the records key never validates
             ok, value = verified_value(key_id, res.value, expiration)
-            if ok and (f.expiration is None or expiration > f.expiration) and expiration >= time.time():
+            if ok and (f.expiration is None or expiration > f.expiration) and expiration >= clock.now():
                 f.value, f.expiration = value, expiration
                 f.holders.add(source)
 

@@ -27,6 +27,7 @@ from diloco_swarm.dht.records import read_peer_records
 from diloco_swarm.node import round_policy as policy
 from diloco_swarm.node.outer_sync import Handoff, RoundControl, RoundOutcome
 from diloco_swarm.node.redial import dial_peers, gone_peers
+from diloco_swarm.utils import clock
 
 REBOOTSTRAP_EVERY_S = 30.0  # a client alone re-dials its --initial-peers this often
 MOVED_ON_READ_EVERY_S = 2.0  # a late round reads the records this often to see whether its group ran without it
@@ -198,12 +199,12 @@ class Round:
         view = dict(me=p.peer_id, silent_s={q: p.swarm.silent_s(q, seen) for q in others},
                     max_silent_s=policy.SILENT_RECORDS * p.records.interval_s, first_round=p.stats.last_round is None,
                     cfg=p.cfg)
-        planned = policy.plan(handoff.outer_step, handoff.inner_s, others, now=time.time(), **view)
+        planned = policy.plan(handoff.outer_step, handoff.inner_s, others, now=clock.now(), **view)
         _, members = planned.plan.group_of(p.peer_id)
         gone = gone_peers(p.dht, [q for q in members if q != p.peer_id and others[q].reachability != "client"],
                           stop=p.stop)
         if gone:
-            planned = policy.plan(handoff.outer_step, handoff.inner_s, others, now=time.time(), gone=gone, **view)
+            planned = policy.plan(handoff.outer_step, handoff.inner_s, others, now=clock.now(), gone=gone, **view)
         return planned, gone
 
     def _wait_for_swarm(self, handoff: Handoff, control: RoundControl,

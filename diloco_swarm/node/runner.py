@@ -48,6 +48,7 @@ from diloco_swarm.node.statesync import StateSync
 from diloco_swarm.node.stats import NodeStats
 from diloco_swarm.node.swarm_view import SwarmView
 from diloco_swarm.node.watchdog import PartLost, Supervisor
+from diloco_swarm.utils import clock
 from diloco_swarm.utils.malloc import return_freed_memory
 
 WARMUP_INNER_STEPS = 50  # linear inner-LR warm-up over the swarm's first 50 inner steps
@@ -182,7 +183,7 @@ class Node(Startup):
         # when we expect to hand this phase off: a round's leader waits for peers about to arrive
         # (the record publisher sends it within its 5 s period: no extra DHT store per phase). Not timed
         # yet: "due now", published at once (0 says "starting up"), re-planned from the first steps
-        self.stats.phase_eta = time.time() + target * (self.stats.inner_step_s or 0.0)
+        self.stats.phase_eta = clock.now() + target * (self.stats.inner_step_s or 0.0)
         self.model.train()
         losses, tokens, steps = [], 0, 0
         t_last, t_refresh = time.monotonic(), float("-inf")  # (an unmeasured phase reads the swarm at its first tick)
@@ -213,14 +214,14 @@ class Node(Startup):
                 if self.stats.state_syncs != syncs:
                     # θ_local moved onto an adopted state with its progress: the phase now ends when the
                     # swarm's does (a full phase more would make us late for every round after)
-                    ahead = self.phases.steps_to(self.swarm.phase_eta, self.stats.inner_step_s, time.time())
+                    ahead = self.phases.steps_to(self.swarm.phase_eta, self.stats.inner_step_s, clock.now())
                     if ahead is not None:
                         target = self.phases.within(steps + ahead)
             now = time.monotonic()
             if not measured and now - t_last >= 1.0 and losses:
                 target, self.stats.phase_eta = self.phases.replan_first(
                     steps, self.stats.inner_s - inner_before, swarm_eta=self.swarm.phase_eta,
-                    swarm_s=self.swarm.inner_step_s, now=time.time())  # published with our record
+                    swarm_s=self.swarm.inner_step_s, now=clock.now())  # published with our record
                 if now - t_refresh >= SWARM_REFRESH_S:  # the others' speeds and hand-off times, for the next re-plan
                     t_refresh = now
                     self.housekeeping.upkeep_soon()

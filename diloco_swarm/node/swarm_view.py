@@ -5,12 +5,22 @@ training, the training thread (the ``--wait-for-peers`` barrier: ``Startup._live
 by the training thread (DyLU), the round (who is silent, the grid's members) and the end of a run
 (whom to wait for). Each attribute is replaced whole, never changed in place, so readers on other
 threads need no lock.
+
+A record's ``updated`` is its owner's clock when it signed it, and we read it after that: a fresh one
+(changed since our last read) never looks newer than our clock unless the two clocks disagree. One
+that looks newer by more than the swarm's tolerance is said once (:meth:`SwarmView.note`): the peers
+whose clocks run ahead then take our records and group requests as expired.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Mapping
+
+from diloco_swarm.utils import clock
+
+logger = logging.getLogger(__name__)
 
 HEARD_MEMORY_S = 120.0  # how long we remember when a peer's record last changed
 GRID_MEMORY_S = 20.0  # a peer whose record a read missed stays in the round's grid this long (a partial read under load)
@@ -26,11 +36,14 @@ class SwarmView:
         self.heard: dict[str, tuple[float, float]] = {}  # peer id -> (its record's `updated`, time.monotonic() first read)
         self.recent_peers: dict[str, tuple[float, list[str]]] = {}  # peer id -> (time.monotonic() read, its maddrs)
         self.grid_records: dict[str, tuple[float, Any]] = {}  # peer id -> (time.monotonic() read, its record)
+        self._lead_said = 0.0  # seconds ahead of our clock of the fresh records last said (0: none)
 
     def note(self, records: Mapping[str, Any]) -> None:
         """Take one read of the records: the medians, and since when each record is unchanged (a
         crashed peer's record outlives it by the DHT's TTL, unchanged)."""
         now = time.monotonic()
+        self._note_clocks({p: r.updated for p, r in records.items()
+                           if p != self.me and (p not in self.heard or self.heard[p][0] != r.updated)})
         heard = {p: h for p, h in self.heard.items() if now - h[1] < HEARD_MEMORY_S}  # a record gone from this read stays silent
         heard.update((p, heard[p] if p in heard and heard[p][0] == r.updated else (r.updated, now))
                      for p, r in records.items())
@@ -43,6 +56,23 @@ class SwarmView:
         self.inner_step_s = speeds[len(speeds) // 2] if speeds else None
         etas = sorted(r.phase_eta for p, r in records.items() if p != self.me and r.phase_eta > 0)
         self.phase_eta = etas[len(etas) // 2] if etas else None
+
+    def _note_clocks(self, fresh: Mapping[str, float]) -> None:
+        """One line when fresh records (peer id -> ``updated``) carry times ahead of our clock by more than
+        the swarm's tolerance, and again only when that lead moves by as much."""
+        if not fresh:
+            return
+        peer, updated = max(fresh.items(), key=lambda item: item[1])
+        lead = updated - clock.now()
+        if lead <= clock.CLOCK_TOLERANCE_S:
+            self._lead_said = 0.0
+        elif abs(lead - self._lead_said) > clock.CLOCK_TOLERANCE_S:
+            self._lead_said = lead
+            logger.warning(
+                f"warning: peer {peer}'s record carries a time {lead:.1f} s ahead of this node's clock (peers' clocks "
+                f"may differ by {clock.CLOCK_TOLERANCE_S:g} s): one of the two machines' clocks is wrong, and while "
+                "they disagree that peer takes this node's records and group requests as expired. Sync the clock "
+                "with NTP and restart the node whose machine's clock is wrong")
 
     def silent_s(self, peer: str, now: float) -> float:
         """Seconds (``time.monotonic``) since we first read the record of ``peer`` that we read last."""

@@ -9,9 +9,8 @@ the DHT logs ``GeneratorExit`` / "Task was destroyed but it is pending!" and the
 loaded 2-core machine about once in five 3-node starts. :func:`keep_task_alive` wraps such a
 coroutine method so that its task holds a strong reference to itself while it runs.
 
-Orphans. The DHT and averager processes outlive a SIGKILLed parent; :func:`die_with_parent`
-makes them follow it. They also drop the node's inherited Ctrl+C handler: SIGINT is ignored
-(the node stops them), SIGTERM ends them.
+Orphans. The DHT and averager processes outlive a SIGKILLed parent; :func:`die_with_parent` makes
+them follow it, SIGINT ignored (the node stops them), SIGTERM ending them.
 
 The libp2p daemon. hivemind starts ``p2pd`` in the node's process group, so a terminal's Ctrl+C
 killed it under the node, which then could not say goodbye and printed tracebacks.
@@ -49,10 +48,9 @@ which it keeps across ``exec``; it still exits with its last client.
 Socket files. hivemind's libp2p daemon and each client of it listen on unix sockets named
 ``/tmp/hivemind-p2pd-*.sock`` and ``/tmp/hivemind-p2pclient-*.sock``; they are removed only when the
 daemon is still running at shutdown, so every killed node, failed bootstrap or crashed child left
-them behind (we counted 355 in /tmp after a day of tests). :func:`_own_socket_dir` puts them in one
-fresh directory per process, ``/tmp/diloco-p2p-<pid>-<random>``, removed at exit; a process that was
-killed leaves its directory to the next process that loads these fixes, which removes the directories
-whose lock no running process holds.
+them behind. :func:`_own_socket_dir` puts them in one fresh directory per process,
+``/tmp/diloco-p2p-<pid>-<random>``, removed at exit; a killed process's directory is removed by the
+next process that loads these fixes once no running process holds its lock.
 
 A served state kept alive. ``DecentralizedAverager`` answers a state download through
 ``_background_thread_fetch_current_state``, a thread of the host process whose loop keeps the last
@@ -67,6 +65,10 @@ local variables keep the last request, its ``MPFuture`` included, until the next
 averager process thus held the state it had just downloaded (8 B/param, in shared memory) through
 the node's whole first phase, until the node's first round (``python -m bench.memory``: 1.74 GB for
 llama-150m, the joiner's peak). :func:`send_result` resolves such a future and drops its copy.
+
+A clock that steps. hivemind's ``get_dht_time`` is the machine's clock, checked against the peers'
+only at the bootstrap ping; :func:`_use_node_clock` points each module's reference to it at the
+node's own clock, which never steps (utils/clock.py).
 """
 
 from __future__ import annotations
@@ -94,7 +96,9 @@ from hivemind.averaging import averager as averager_module
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.dht import DHT
 from hivemind.p2p import P2P
+from hivemind.utils import timed_storage
 
+from diloco_swarm.utils import clock
 from diloco_swarm.utils.signals import STOP_SIGNALS
 
 _live_tasks: set[asyncio.Task] = set()
@@ -431,8 +435,20 @@ def _serve_states(serializer, pipe, get_current_state_ref) -> None:
         del future
 
 
+def _use_node_clock() -> None:
+    """Point ``get_dht_time`` at :func:`clock.now` in hivemind's modules and in ours loaded so far
+    (``from hivemind.utils import get_dht_time`` binds it at import; later imports get this one)."""
+    wall = timed_storage.get_dht_time
+    if wall is clock.now:
+        return
+    for name, module in list(sys.modules.items()):
+        if name.partition(".")[0] in ("hivemind", "diloco_swarm") and getattr(module, "get_dht_time", None) is wall:
+            module.get_dht_time = clock.now
+
+
 def patch_hivemind() -> None:
     """Apply the fixes to hivemind's classes (idempotent; must run before DHTs/averagers fork)."""
+    _use_node_clock()
     run_coroutine = DHT.__dict__.get("_run_coroutine")
     if run_coroutine is not None and not getattr(run_coroutine, "__keeps_task_alive__", False) and not getattr(
         run_coroutine, "__replies_unless_cancelled__", False
