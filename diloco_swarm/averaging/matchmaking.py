@@ -24,6 +24,7 @@ from hivemind.utils import MPFuture, get_logger
 
 from diloco_swarm.averaging.grouping import grid_group_quorum, is_count
 from diloco_swarm.averaging.request import RoundRequest
+from diloco_swarm.utils import clock
 
 logger = get_logger(__name__)
 
@@ -119,13 +120,13 @@ class LateMembers:
 
     def drop_gone(self) -> bool:
         """Ask once it is time; :returns: whether members were found gone or moved on since the last ask."""
-        if self.gone is None or time.time() < self._next:
+        if self.gone is None or clock.now() < self._next:
             return False
         left = [p for p in self.members if p not in self.lost]
         found = self.gone(left) & set(left) if left else set()
         rest = [p for p in left if p not in found]
         moved = self.moved_on(rest) & set(rest) if rest and self.moved_on is not None else set()
-        self._next = time.time() + LATE_MEMBER_PROBE_EVERY_S
+        self._next = clock.now() + LATE_MEMBER_PROBE_EVERY_S
         if not found and not moved:
             return False
         self.lost |= found | moved
