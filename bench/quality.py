@@ -1,8 +1,11 @@
-"""``quality``: held-out loss at equal tokens, data-parallel vs DiLoCo (fp32, int8, overlapped, 8-bit inner) vs none.
+"""``quality``: held-out loss at equal tokens, data-parallel vs DiLoCo (fp32, int8, robust, overlapped, 8-bit inner)
+vs none.
 
 The k DiLoCo peers are simulated in one process: each replica's H inner steps (the node's inner optimizer,
 warm-up and clipping, its own ``BatchSampler`` stream), then the outer step with the node's ``OuterOptimizer``;
-int8 sends every Δ and the mean through the codec round trip. The overlapped variants use the node's
+int8 sends every Δ and the mean through the codec round trip. The robust variant combines the Δs part by part
+as the node's reducers do (:func:`reduce_parts`: hivemind's parts, ``averaging/robust.py``'s skipped mean) where
+the others take the plain mean. The overlapped variants use the node's
 ``OuterSync``: each round's average lands after a share of the next phase (:func:`run_overlap`). Bytes per peer
 are analytic. ``bench.eager``, ``bench.staleness`` and ``bench.codec`` reuse these functions.
 """
@@ -23,10 +26,11 @@ from bench.common import figure, human_bytes, md_table, median, notes_md
 LLAMA_ROW_PRESET = "llama-tiny"  # a transformers Llama (models/hf.py) with the byte vocabulary
 LLAMA_ROW_VARIANTS = ("data-parallel", "DiLoCo int8")
 EIGHT_BIT = "DiLoCo int8, AdamW8bit inner"  # --inner-optimizer adamw8bit (node/inner.py)
+ROBUST = "DiLoCo int8, robust"  # the node's reducers' rule (averaging/robust.py: the skipped mean), on honest peers
 # the overlapped variants: after which share of the next phase each round is applied
 OVERLAP_APPLY_AFTER = {"DiLoCo int8 overlap": 1.0, "DiLoCo int8 overlap, ⅓ late": 1 / 3,
                        "DiLoCo int8 overlap, ⅓ late, streamed": 1 / 3}
-VARIANTS = ("data-parallel", "DiLoCo fp32", "DiLoCo int8", "no averaging", *OVERLAP_APPLY_AFTER, EIGHT_BIT)
+VARIANTS = ("data-parallel", "DiLoCo fp32", "DiLoCo int8", "no averaging", ROBUST, *OVERLAP_APPLY_AFTER, EIGHT_BIT)
 ESTIMATES = ("own", "fit", "mix", "own/k", "none")  # what θ̂ steps on at a hand-off; the node uses "own"
 
 SIZES = {
@@ -92,6 +96,29 @@ def _int8_roundtrip(tensors):
     return [part.view_as(t) for part, t in zip(torch.split(back, [t.numel() for t in tensors]), tensors)]
 
 
+def part_values() -> int:
+    """Values per all-reduce part: hivemind's ``TensorPartContainer`` split of each tensor for our int8 codec."""
+    from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
+    from hivemind.compression import CompressionInfo
+
+    from diloco_swarm.averaging.codec import Int8BlockwiseCodec
+
+    ratio = Int8BlockwiseCodec().estimate_compression_ratio(CompressionInfo.from_tensor(torch.zeros(1)))
+    return int(DEFAULT_PART_SIZE_BYTES / (4 * ratio))
+
+
+def reduce_parts(deltas: list[list[torch.Tensor]], weights: list[float], rule: str = "skipped-mean") -> list[torch.Tensor]:
+    """What the node's reducers make of the members' Δs (``deltas[member][tensor]``, fp32): each tensor cut
+    into hivemind's parts (:func:`part_values`), each part combined by ``averaging.robust.RULES[rule]``."""
+    from diloco_swarm.averaging.robust import RULES
+
+    size, w, out = part_values(), torch.tensor(weights, dtype=torch.float64), []
+    for tensors in zip(*deltas):
+        stack = torch.stack([t.reshape(-1).float() for t in tensors])
+        out.append(torch.cat([RULES[rule](part, w) for part in stack.split(size, dim=1)]).view_as(tensors[0]))
+    return out
+
+
 def run_variant(variant: str, cfg: dict[str, Any], threads: int = 1) -> dict[str, Any]:
     """Train one variant; its loss curve ``[[tokens, loss(, min, max over the peers)]]`` and timings."""
     from diloco_swarm.data import BatchSampler, evaluate
@@ -118,7 +145,7 @@ def run_variant(variant: str, cfg: dict[str, Any], threads: int = 1) -> dict[str
         replicas = [build(cfg["preset"], seed) for _ in range(k)]
         opts = [inner_opt(r.parameters(), "adamw8bit" if variant == EIGHT_BIT else "adamw") for r in replicas]
         samplers = [BatchSampler(corpus.train, b, T, seed=seed, stream_id=f"peer-{i}") for i in range(k)]
-        shared, int8 = variant != "no averaging", variant in ("DiLoCo int8", EIGHT_BIT)
+        shared, int8 = variant != "no averaging", variant in ("DiLoCo int8", EIGHT_BIT, ROBUST)
         outers = [OuterOptimizer(replicas[i].parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM)
                   for i in range(1 if shared else k)]
         evaluator, steps = build(cfg["preset"], seed), [0] * k
@@ -139,7 +166,7 @@ def run_variant(variant: str, cfg: dict[str, Any], threads: int = 1) -> dict[str
                 deltas.append(outers[0 if shared else i].pseudo_gradient(rep.parameters()))
             if shared:
                 deltas = [_int8_roundtrip(d) for d in deltas] if int8 else deltas
-                mean = [sum(ds) / k for ds in zip(*deltas)]
+                mean = reduce_parts(deltas, [1.0] * k) if variant == ROBUST else [sum(ds) / k for ds in zip(*deltas)]
                 outers[0].step(_int8_roundtrip(mean) if int8 else mean)
                 for rep in replicas:
                     outers[0].copy_to(rep.parameters())
@@ -347,7 +374,7 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
     md.append(notes_md(result))
     with figure(docs_dir / "bench-quality.png") as ax:
         styles = {"data-parallel": "ko-", "DiLoCo fp32": "C0s-", "DiLoCo int8": "C1^--", "no averaging": "C3x:",
-                  "DiLoCo int8 overlap": "C2v-.", "DiLoCo int8 overlap, ⅓ late": "C4D-."}
+                  "DiLoCo int8 overlap": "C2v-.", "DiLoCo int8 overlap, ⅓ late": "C4D-.", ROBUST: "C5*--"}
         for r in result["variants"]:
             c, xs = r["curve"], [p[0] / 1e6 for p in r["curve"]]
             line, = ax.plot(xs, [p[1] for p in c], styles.get(r["variant"], "C7.-"), markersize=4, label=r["variant"])

@@ -30,6 +30,7 @@ between the `<!-- bench:... -->` markers. To rerun:
 .venv/bin/python -m bench.eager          # section 4b: what θ̂ steps on at an overlapped hand-off, ~15 min
 .venv/bin/python -m bench.memory         # section 9: peak PSS, B/param, state dir and start-up of two nodes per model, vs the code before (--base), 7–30 min
 .venv/bin/python -m bench.staleness      # section 4c: overlap (3 round lengths, and streamed) vs blocking over 30 outer steps, 3 seeds, ~25 min
+.venv/bin/python -m bench.hostile        # section 10: hostile peers (−8 × Δ, noise) vs the plain mean and the robust rule, simulated and real nodes (--part), ~1 h
 ```
 
 Every section says which command, machine and date its figures came from. The machine these were

@@ -9,6 +9,13 @@ Every ``--fault`` adds one fault (any number; none: an honest node); the other a
 
   nan              every int8 part this peer sends carries NaN block scales (a broken peer)
   huge             this peer contributes its Δ × 1e6 (a hostile peer)
+  scale=F          this peer contributes F × its Δ to every round, F any finite number (a hostile peer:
+                   scale=-8 passes the 10× bound on a part's size and, averaged, pulls the model back
+                   8 steps for every one it trains); it applies its rounds as an honest peer does
+  direction=F      this peer contributes a random direction (fresh each round) with F times the norm of
+                   its Δ, F > 0 (a hostile peer, or a broken one sending noise); applies rounds honestly
+  plain-mean       (an alternative, not a fault) as a reducer, this peer takes the plain weighted mean of
+                   its slice's parts, as every reducer did before issue 37, instead of the skipped mean
   stall-allreduce  this peer hangs in the all-reduce after its first part, and touches
                    STATE_DIR/allreduce-stalled when it does
   withhold-digest  this peer confirms each round's average 10 s late (the others wait in their digest
@@ -50,6 +57,7 @@ import dataclasses
 import errno
 import math
 import multiprocessing.sharedctypes
+import random
 import sys
 import threading
 import time
@@ -65,6 +73,7 @@ from hivemind.proto import averaging_pb2  # noqa: E402
 
 from diloco_swarm.averaging import averager, codec  # noqa: E402
 from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner  # noqa: E402
+from hivemind.averaging.partition import TensorPartReducer  # noqa: E402
 from diloco_swarm.averaging.averager import PseudoGradientAverager  # noqa: E402
 from diloco_swarm.averaging.request import RoundRequest  # noqa: E402
 from diloco_swarm.dht.records import read_peer_records  # noqa: E402
@@ -259,6 +268,51 @@ class HugeContributionAverager(PseudoGradientAverager):
         return super().average(dataclasses.replace(request, delta=[d * HUGE_FACTOR for d in request.delta]))
 
 
+class HostileContributionAverager(PseudoGradientAverager):
+    """Sends :meth:`hostile_delta` of its Δ to every round. A failed round gives back the Δ it was handed,
+    so this peer then applies its own honest Δ and stays on the swarm's lineage (a patient attacker)."""
+
+    factor = 1.0  # F of scale=F or direction=F, set by node_class
+
+    def hostile_delta(self, delta) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def average(self, request: RoundRequest):
+        result, applied = super().average(dataclasses.replace(request, delta=self.hostile_delta(request.delta)))
+        if not (result.ok or result.maybe_kept):  # `applied` is what we sent
+            applied = [d.detach().to("cpu", torch.float32) for d in request.delta]
+        return result, applied
+
+
+class ScaledContributionAverager(HostileContributionAverager):
+    """``scale=F``: F × Δ."""
+
+    def hostile_delta(self, delta) -> list[torch.Tensor]:
+        return [d.detach().to("cpu", torch.float32) * self.factor for d in delta]
+
+
+class RandomDirectionAverager(HostileContributionAverager):
+    """``direction=F``: a random direction (Gaussian, fresh each round and peer) at F × ‖Δ‖ (over all tensors)."""
+
+    def hostile_delta(self, delta) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(random.SystemRandom().getrandbits(63))
+        noise = [torch.randn(d.shape, generator=gen) for d in delta]
+        norm = math.sqrt(sum(float((d.double() ** 2).sum()) for d in delta))
+        noise_norm = math.sqrt(sum(float((n.double() ** 2).sum()) for n in noise)) or 1.0
+        return [n * (self.factor * norm / noise_norm) for n in noise]
+
+
+class PlainMeanAllReduceRunner(ConsensusAllReduceRunner):
+    reducer_type = TensorPartReducer  # hivemind's streaming weighted sum
+
+
+class PlainMeanAverager(PseudoGradientAverager):
+    async def _run_consensus(self, runner_type, *args, **kwargs) -> None:
+        if runner_type is ConsensusAllReduceRunner:  # the round's all-reduce (θ-mixing's is a mean already)
+            runner_type = PlainMeanAllReduceRunner
+        await super()._run_consensus(runner_type, *args, **kwargs)
+
+
 class StallingAllReduceRunner(ConsensusAllReduceRunner):
     def __init__(self, *args, marker: Path, **kwargs):
         super().__init__(*args, **kwargs)
@@ -333,12 +387,19 @@ NODE_FAULTS: dict[str, type[Node]] = {"claim-ahead": ClaimAheadNode, "disk-full"
                                       "late-before-end": LateBeforeEndNode, "slowdown": SlowInnerSteps,
                                       "dump-rounds": DumpRoundsNode, "clock-step": ClockStepNode}
 AVERAGER_FAULTS: dict[str, type[PseudoGradientAverager]] = {
-    "nan": NonFiniteScalesAverager, "huge": HugeContributionAverager, "stall-allreduce": StallingAverager,
+    "nan": NonFiniteScalesAverager, "huge": HugeContributionAverager, "scale": ScaledContributionAverager,
+    "direction": RandomDirectionAverager, "plain-mean": PlainMeanAverager, "stall-allreduce": StallingAverager,
     "withhold-digest": WithholdingAverager, "drop-part": DroppingAverager, "lonely": LonelyAverager,
     "slow-donation": SlowDonatingAverager}
-VALUED = {"slowdown": "F", "slow-donation": "MS", "clock-step": "S@T"}  # the faults that take a value, and its name in the help
-FAULTS = ("nan", "huge", "stall-allreduce", "withhold-digest", "claim-ahead", "drop-part", "lonely", "disk-full",
-          "late-end", "late-before-end", "slowdown", "dump-rounds", "slow-donation", "clock-step")  # in the order of the help
+# the faults that take a value: its name in the help, the values allowed (said in an error), the check
+VALUED = {"slowdown": ("F", "a finite number F ≥ 1", lambda x: x >= 1.0),
+          "slow-donation": ("MS", "a finite number MS ≥ 1", lambda x: x >= 1.0),
+          "scale": ("F", "a finite number F", lambda x: True),
+          "direction": ("F", "a finite number F > 0", lambda x: x > 0.0),
+          "clock-step": ("S@T", "seconds S ≠ 0 and T ≥ 0", None)}  # clock-step: parse_clock_step
+FAULTS = ("nan", "huge", "scale", "direction", "plain-mean", "stall-allreduce", "withhold-digest", "claim-ahead",
+          "drop-part", "lonely", "disk-full", "late-end", "late-before-end", "slowdown", "dump-rounds",
+          "slow-donation", "clock-step")  # in the order of the help
 
 
 class UsageError(ValueError):
@@ -349,7 +410,7 @@ def parse_fault(text: str) -> tuple[str, float | tuple[float, float] | None]:
     """``NAME`` or ``NAME=VALUE`` → (name, value or None). :raises UsageError: not a fault, or a bad value."""
     name, has_value, value = text.partition("=")
     if name not in FAULTS:
-        names = ", ".join(f"{f}={VALUED[f]}" if f in VALUED else f for f in FAULTS)
+        names = ", ".join(f"{f}={VALUED[f][0]}" if f in VALUED else f for f in FAULTS)
         raise UsageError(f"--fault must be one of {names}; got '{text}'")
     if name not in VALUED:
         if has_value:
@@ -361,8 +422,9 @@ def parse_fault(text: str) -> tuple[str, float | tuple[float, float] | None]:
         number = float(value)
     except ValueError:
         number = math.nan
-    if not (math.isfinite(number) and number >= 1.0):
-        raise UsageError(f"--fault {name}={VALUED[name]} needs a finite number {VALUED[name]} ≥ 1; got '{text}'")
+    label, allowed, check = VALUED[name]
+    if not (math.isfinite(number) and check(number)):
+        raise UsageError(f"--fault {name}={label} needs {allowed}; got '{text}'")
     return name, number
 
 
@@ -389,6 +451,8 @@ def split_faults(args: list[str]) -> tuple[dict[str, float | tuple[float, float]
         faults[name] = value
     if "late-end" in faults and "late-before-end" in faults:
         raise UsageError("--fault late-end and --fault late-before-end exclude each other (one phase is held)")
+    if "scale" in faults and "direction" in faults:
+        raise UsageError("--fault scale and --fault direction exclude each other (one Δ is sent)")
     return faults, rest
 
 
@@ -399,6 +463,7 @@ def node_class(faults: dict[str, float | tuple[float, float] | None]) -> type[No
     attrs = {"averager_faults": averagers, "slowdown": faults.get("slowdown") or 1.0,
              "clock_step_after_s": (faults.get("clock-step") or (0.0, 0.0))[1]}
     SlowDonatingAverager.part_delay_s = (faults.get("slow-donation") or 0.0) / 1000
+    HostileContributionAverager.factor = faults.get("scale", faults.get("direction", 1.0))
     return type("FaultyNode", (*nodes, FaultyNode), attrs)
 
 

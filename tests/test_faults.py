@@ -65,6 +65,9 @@ def test_help_lists_every_fault():
     (["join", "--fault=NAN"], "--fault must be one of"),
     (["join", "--max-outer-steps", "3", "--fault"], "--fault needs a fault"),
     (["join", "--fault", "late-end", "--fault", "late-before-end"], "exclude each other"),
+    (["join", "--fault", "direction=0"], "needs a finite number F > 0; got 'direction=0'"),
+    (["join", "--fault", "scale=nan"], "needs a finite number F"),
+    (["join", "--fault", "scale=-8", "--fault", "direction=5"], "exclude each other"),
     (["status", "--fault", "nan"], "the only command is join"),
 ])
 def test_misuse_is_one_error_line_and_exit_2(args, said, capsys):
@@ -84,9 +87,28 @@ def test_no_command_prints_the_faults_and_exits_2(capsys):
 
 def test_the_faults_come_out_and_the_join_flags_stay_in_order():
     got = faults.split_faults(["--max-outer-steps", "4", "--fault", "nan", "--name", "x", "--fault=slowdown=2.5",
-                               "--state-dir", "d"])
-    assert got == ({"nan": None, "slowdown": 2.5}, ["--max-outer-steps", "4", "--name", "x", "--state-dir", "d"])
+                               "--state-dir", "d", "--fault", "scale=-8"])
+    assert got == ({"nan": None, "slowdown": 2.5, "scale": -8.0},
+                   ["--max-outer-steps", "4", "--name", "x", "--state-dir", "d"])
     assert faults.split_faults(["--threads", "1"]) == ({}, ["--threads", "1"])
+
+
+def test_a_hostile_contribution_is_f_times_delta_or_a_fresh_random_direction_at_f_times_its_norm():
+    import torch
+
+    delta = [torch.randn(4, 8), torch.randn(8)]
+    norm = float(torch.sqrt(sum((d ** 2).sum() for d in delta)))
+    scaled = faults.node_class({"scale": -8.0}).averager_faults
+    assert scaled == (faults.ScaledContributionAverager,) and faults.HostileContributionAverager.factor == -8.0
+    sent = faults.ScaledContributionAverager.hostile_delta(faults.ScaledContributionAverager, delta)
+    assert all(torch.equal(s, -8.0 * d) for s, d in zip(sent, delta))
+    faults.node_class({"direction": 5.0})
+    first, second = (faults.RandomDirectionAverager.hostile_delta(faults.RandomDirectionAverager, delta)
+                     for _ in range(2))
+    for sent in (first, second):
+        assert [s.shape for s in sent] == [d.shape for d in delta]
+        assert abs(float(torch.sqrt(sum((s ** 2).sum() for s in sent))) - 5.0 * norm) < 1e-3 * norm
+    assert not torch.equal(first[0], second[0])  # a fresh direction each round
 
 
 def test_every_fault_has_a_class_and_a_line_of_help():

@@ -16,7 +16,11 @@ partitioning, load balancing and timeouts:
    ``max_part_rms_ratio`` times the reducer's own part, scaled by how many more tokens the
    sender trained on (:func:`allowed_scale`); our own part counts as at least ``RMS_FLOOR``. A sender that breaks a
    rule is refused for the round and named in the round report.
-3. Bytes on the wire and every failure (banned sender, failed reducer) are counted for the
+3. A reducer combines its slice's parts with a robust rule, not the streaming weighted mean
+   (``reducer.RobustPartReducer``: ``robust.skipped_mean``, the weighted mean of the parts within τ of
+   the kept parts' centre, outliers left out), and names the senders whose parts were outliers on
+   most of its slice (``RoundStats.outlier_senders``).
+4. Bytes on the wire and every failure (banned sender, failed reducer) are counted for the
    round report, because ``DecentralizedAverager.step()`` returns normally even when no part
    arrived.
 
@@ -35,11 +39,14 @@ from typing import AsyncIterator, Sequence
 
 import torch
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.partition import TensorPartReducer
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+
+from diloco_swarm.averaging.reducer import RobustPartReducer
 
 logger = get_logger(__name__)
 
@@ -52,6 +59,7 @@ GONE_REASON = "gone: its averager did not answer a call"  # a member found dead 
 MEMBER_WATCH_AFTER_S = 1.0  # an all-reduce still waiting for a member after this long asks whether it is there ...
 MEMBER_WATCH_EVERY_S = 1.0  # ... and again this often
 MEMBER_CALL_TIMEOUT_S = 1.0  # a call that fails (not merely slow) within this long: the member is gone
+OUTLIER_SHARE = 0.5  # a sender whose parts were outliers on at least this share of our slice is named (outlier_senders)
 
 
 def allowed_scale(ratio: float, weight: float, own_weight: float) -> float:
@@ -75,6 +83,9 @@ class RoundStats:
     total_values: int = 0
     rejected_senders: dict[str, str] = field(default_factory=dict)  # peer id -> reason
     failed_reducers: dict[str, str] = field(default_factory=dict)  # peer id -> reason
+    # peer id -> share of the values we reduced on which its part was an outlier, left out (>= OUTLIER_SHARE; never
+    # us). Not a failure: the round keeps the robust average
+    outlier_senders: dict[str, float] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -127,8 +138,14 @@ class ConsensusAllReduceRunner(AllReduceRunner):
         with our weight (:func:`allowed_scale`).
     """
 
+    reducer_type: type[TensorPartReducer] = RobustPartReducer  # how our slice's parts are combined
+
     def __init__(self, *args, stats: RoundStats, max_part_rms_ratio: float, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.reducer_type is not type(self.tensor_part_reducer):
+            self.tensor_part_reducer.finished.set()  # hivemind's, never used: no "received 0%" warning when collected
+            self.tensor_part_reducer = self.reducer_type(tuple(part.shape for part in self.parts_for_local_averaging),
+                                                         len(self.sender_peer_ids))
         self.tensor_part_container.return_deltas = False  # failed reducers then yield our own values
         self.stats = stats
         self.stats.group_id = self.group_id.hex() if isinstance(self.group_id, bytes) else str(self.group_id)
@@ -150,6 +167,18 @@ class ConsensusAllReduceRunner(AllReduceRunner):
                 yield output
         finally:
             watch.cancel()
+            self._name_outliers()
+
+    def _name_outliers(self) -> None:
+        """``stats.outlier_senders``: the other senders whose parts were outliers on at least
+        :data:`OUTLIER_SHARE` of the values they gave our slice."""
+        reducer = self.tensor_part_reducer
+        if not isinstance(reducer, RobustPartReducer):
+            return
+        for index, peer in enumerate(self.sender_peer_ids):
+            given, out = reducer.reduced_values[index], reducer.outlier_values[index]
+            if peer != self.peer_id and given and out >= OUTLIER_SHARE * given:
+                self.stats.outlier_senders[peer.to_base58()] = round(out / given, 3)
 
     async def _watch_members(self) -> None:
         """Every :data:`MEMBER_WATCH_EVERY_S` after :data:`MEMBER_WATCH_AFTER_S`, call each member we
@@ -372,7 +401,10 @@ class ConsensusAllReduceRunner(AllReduceRunner):
 
 
 class MixingAllReduceRunner(ConsensusAllReduceRunner):
-    """The all-reduce of a θ-mixing round (averaging/mixing.py): the same consensus and checks, but
+    """The all-reduce of a θ-mixing round (averaging/mixing.py): the same consensus and checks, and the
+    plain weighted mean (members of different lineages differ by whole rounds of training, and members
+    behind the round send parts at weight 0: the skipped mean's count-based centre would leave out the
+    one lineage that differs, which the mix exists to bring in; docs/decisions.md, *Robust aggregation*), but
     every sender's weight must be the one the group's :class:`~diloco_swarm.averaging.mixing.MixPlan`
     gives it (1 or 0, known to every member), and a part's RMS is bounded against our own whole
     contribution (θ differences and momentum) rather than scaled by tokens: a member behind the round
@@ -380,6 +412,8 @@ class MixingAllReduceRunner(ConsensusAllReduceRunner):
 
     :param planned_weights: peer id (base58) -> the weight the plan gives it.
     """
+
+    reducer_type = TensorPartReducer
 
     def __init__(self, *args, planned_weights: dict[str, float], **kwargs):
         super().__init__(*args, **kwargs)

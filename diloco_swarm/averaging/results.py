@@ -50,6 +50,9 @@ class RoundResult:
     seconds: float = 0.0
     matchmaking_s: float = 0.0
     rejected_peers: dict[str, str] = field(default_factory=dict)
+    # peer id -> share of the values we reduced on which its part was an outlier, left out (allreduce.RoundStats.
+    # outlier_senders): its Δ lay far from the others'; the round keeps the robust average
+    outlier_peers: dict[str, float] = field(default_factory=dict)
     digest: str = ""
     agreed_peers: int = 0  # members (besides us) whose published digest matched ours
     gone_peers: list[str] = field(default_factory=list)  # silent members found gone: not waited for (confirm.py)
@@ -67,7 +70,8 @@ class RoundResult:
         """The not yet verified (``ok=False``) result of a finished all-reduce: its group and traffic."""
         return cls(ok=False, group_size=max(1, len(stats.group_peer_ids)), group_peer_ids=stats.group_peer_ids,
                    group_id=stats.group_id, gathered=gathered if gathered is not None else {},
-                   bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, rejected_peers=stats.named_peers)
+                   bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, rejected_peers=stats.named_peers,
+                   outlier_peers=dict(stats.outlier_senders))
 
 
 def check_round(stats: RoundStats, local: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor], *,

@@ -410,6 +410,10 @@ class Node(Startup):
         self._status(force=True)
         for peer, why in outcome.result.rejected_peers.items():
             self.status.log(f"outer step {self.outer_step}: peer {peer} was left out of the round: {why}")
+        if outcome.result.outlier_peers:
+            self.status.log(f"outer step {self.outer_step}: " + "; ".join(
+                f"peer {peer} sent an outlier Δ, left out of {share:.0%} of our slice"
+                for peer, share in outcome.result.outlier_peers.items()))
 
     def _round_record(self, handoff: Handoff, outcome: RoundOutcome, round_step: int) -> dict[str, Any]:
         """The ``outer_step`` metrics record (docs/metrics.md): the round's fields, and where we stand."""
