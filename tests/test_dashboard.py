@@ -171,6 +171,40 @@ def test_hostile_names_and_ids_are_escaped():
     assert "[bold red]x[/]" in console.export_text()
 
 
+def test_peers_avoided_by_others_are_summarized_with_who_says_so():
+    """Each online peer's ``avoided_peers`` (its averager's word, conduct.py) adds up in ``totals.avoided``:
+    who reports each peer, of how many that could, and why; the page, ``status`` and the API show it."""
+    why = "its Δ was an outlier in 3 rounds in a row"
+    evil = {"peer_id": "X", "why": HOSTILE_NAME}
+    st = SwarmState("r", stale_after_s=20, gone_after_s=60)
+    now = time.time()
+    st.update([entry("a", rec("A", name="alice", avoided_peers=[{"peer_id": "X", "why": why}]), now + 15),
+               entry("b", rec("B", name="bob", avoided_peers=[{"peer_id": "X", "why": why}, evil]), now + 15),
+               entry("c", rec("C", name="carol"), now + 15),  # avoids nobody (or an older version)
+               entry("x", rec("X", name="x0", avoided_peers=[{"peer_id": "A", "why": "slander"},
+                                                             {"peer_id": "X", "why": "itself"}]), now + 15)],
+              now=now)
+    doc = st.snapshot(now=now)
+    avoided = doc["totals"]["avoided"]
+    assert [e["peer_id"] for e in avoided] == ["X", "A"]  # the most reported first; nobody reports itself
+    x = avoided[0]
+    assert x["name"] == "x0" and x["of"] == 3 and x["why"] == [why, HOSTILE_NAME]
+    assert x["by"] == [{"peer_id": "A", "name": "alice"}, {"peer_id": "B", "name": "bob"}]
+    assert avoided[1]["by"] == [{"peer_id": "X", "name": "x0"}] and avoided[1]["of"] == 3
+    # stale reporters no longer count
+    later = summarize([{**r, "state": "stale"} if r["peer_id"] == "B" else r for r in doc["peers"]])["avoided"]
+    assert {e["peer_id"]: (e["by"], e["of"]) for e in later}["X"] == ([{"peer_id": "A", "name": "alice"}], 2)
+    page = render_page(doc, refresh_s=5.0)
+    assert 'id="avoided"' in page and "avoided by 2 of 3 peers (alice, bob): " + text(why) in page
+    assert "avoided by 2 of 3</span>" in page and "<img" not in page
+    from diloco_swarm.cli.status import avoided_lines
+
+    lines = avoided_lines(doc["totals"])
+    assert lines[0] == f"peer x0 X avoided by 2 of 3 peers (alice, bob): {why}; {HOSTILE_NAME}"
+    assert lines[1] == "peer alice A avoided by 1 of 3 peers (x0): slander"
+    assert summarize([])["avoided"] == []
+
+
 @pytest.mark.filterwarnings("ignore:Using .httpx. with")
 def test_http_routes_and_headers():
     from starlette.testclient import TestClient

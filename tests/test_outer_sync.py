@@ -31,6 +31,7 @@ class Result:  # the fields of averaging.results.RoundResult that the sync and t
     seconds: float = 0.0
     maybe_kept: bool = False
     gathered: dict = field(default_factory=dict)  # (empty: the lineage's training adds our own tokens)
+    avoided_peers: dict | None = None  # None: no group, the node keeps the peers it last heard of
 
 
 class FakeAverager:

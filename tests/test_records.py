@@ -14,6 +14,8 @@ from hivemind.utils import get_dht_time
 
 from diloco_swarm.dht.publisher import PeerRecordPublisher, identity_in_use, last_published
 from diloco_swarm.dht.records import (
+    MAX_AVOIDED,
+    MAX_WHY,
     PeerRecord,
     normalize_snapshot,
     owner_fingerprint,
@@ -78,6 +80,11 @@ def test_schema_is_strict_and_bounded():
         {"theta_marks": [{"step": 1.0, "digest": "ab" * 8}]},
         {"theta_marks": [{"step": 1, "digest": "ab" * 8, "extra": 1}]},
         {"theta_marks": [[1, "ab" * 8]]},  # a pair, not a mark: the DHT would see a type conversion
+        {"avoided_peers": [{"peer_id": "Qm" + str(i), "why": "x"} for i in range(MAX_AVOIDED + 1)]},
+        {"avoided_peers": [{"peer_id": "<script>", "why": "x"}]},
+        {"avoided_peers": [{"peer_id": "QmX", "why": "x" * (MAX_WHY + 1)}]},
+        {"avoided_peers": [{"peer_id": "QmX"}]},
+        {"avoided_peers": {"QmX": "a dict, not a list"}},
     ]
     for over in bad:
         with pytest.raises(ValueError):
@@ -113,6 +120,23 @@ def test_normalize_snapshot_coerces_clamps_and_drops():
     assert out["averaging_round"] is None
     assert [normalize_snapshot(snapshot(averaging_round=v), now=1.0)["averaging_round"]
             for v in (7, -3, float("nan"), "9")] == [7, 0, 0, 9]
+
+
+def test_avoided_peers_are_bounded_and_old_records_still_validate():
+    """A node's peer id -> why (stats.NodeStats.avoided_peers) becomes the record's list, bounded; a record
+    from before the field (no ``avoided_peers``) still validates, with none."""
+    old = snapshot()
+    assert "avoided_peers" not in old and PeerRecord.parse_obj(old).avoided_peers == []
+    assert normalize_snapshot(old, now=1.0)["avoided_peers"] == []
+    many = {f"Qm{i}": f"its Δ was an outlier in 3 rounds in a row ({i})" for i in range(40)}
+    out = normalize_snapshot(snapshot(avoided_peers={**many, "<bad id>": "x", "QmLong": "w" * 999}), now=1.0)
+    kept = out["avoided_peers"]
+    assert len(kept) == MAX_AVOIDED and kept[-1] == {"peer_id": "QmLong", "why": "w" * MAX_WHY}
+    assert kept[0]["peer_id"] == f"Qm{40 - MAX_AVOIDED + 1}"  # the newest kept, in order
+    assert PeerRecord.parse_obj(out).dict() == out
+    # a record's own list (a reader re-normalizing) goes through unchanged; junk gives none
+    assert normalize_snapshot(snapshot(avoided_peers=kept), now=1.0)["avoided_peers"] == kept
+    assert normalize_snapshot(snapshot(avoided_peers="junk"), now=1.0)["avoided_peers"] == []
 
 
 def test_record_key_persists_with_0600(tmp_path):

@@ -325,6 +325,7 @@ def test_four_averagers_keep_one_hostile_delta_out_agree_bit_for_bit_and_name_it
         hostile_id = averagers[-1].peer_id.to_base58()
         for result, _ in results[:-1]:
             assert set(result.outlier_peers) == {hostile_id}, result.outlier_peers
+            assert result.avoided_peers == {}  # one outlier round is not enough to avoid it (conduct.py)
         flat = [torch.cat([t.reshape(-1) for t in d]) for d in deltas]
         honest_mean, plain = torch.stack(flat[:-1]).mean(0), torch.stack(flat).mean(0)
         got = torch.cat([t.reshape(-1) for t in results[0][1]])

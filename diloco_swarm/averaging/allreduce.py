@@ -86,6 +86,9 @@ class RoundStats:
     # peer id -> share of the values we reduced on which its part was an outlier, left out (>= OUTLIER_SHARE; never
     # us). Not a failure: the round keeps the robust average
     outlier_senders: dict[str, float] = field(default_factory=dict)
+    # the other senders whose parts our robust reducer weighed on our slice (outlier_senders among them): whose
+    # outlier record this round counts in (conduct.py). Empty where the reducer is the plain mean (θ-mixing)
+    scored_senders: list[str] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -171,13 +174,17 @@ class ConsensusAllReduceRunner(AllReduceRunner):
 
     def _name_outliers(self) -> None:
         """``stats.outlier_senders``: the other senders whose parts were outliers on at least
-        :data:`OUTLIER_SHARE` of the values they gave our slice."""
+        :data:`OUTLIER_SHARE` of the values they gave our slice; ``stats.scored_senders``: every other
+        sender that gave our slice values."""
         reducer = self.tensor_part_reducer
         if not isinstance(reducer, RobustPartReducer):
             return
         for index, peer in enumerate(self.sender_peer_ids):
             given, out = reducer.reduced_values[index], reducer.outlier_values[index]
-            if peer != self.peer_id and given and out >= OUTLIER_SHARE * given:
+            if peer == self.peer_id or not given:
+                continue
+            self.stats.scored_senders.append(peer.to_base58())
+            if out >= OUTLIER_SHARE * given:
                 self.stats.outlier_senders[peer.to_base58()] = round(out / given, 3)
 
     async def _watch_members(self) -> None:

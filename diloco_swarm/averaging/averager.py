@@ -258,7 +258,7 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
             stats = self._round_stats.pop(group_info.group_id.hex(), RoundStats())
             self._round_stats.clear()
             self._conduct.judge(stats)
-        return {"gathered": gathered, "stats": dataclasses.asdict(stats)}
+        return {"gathered": gathered, "stats": dataclasses.asdict(stats), "avoided": self._conduct.shunned_peers()}
 
     def _group_problem(self, group_info) -> str | None:
         """Why this group must not run its round (``grouping.group_problem`` of the members' gathered
@@ -400,7 +400,8 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
             return RoundResult.solo(started, "no group formed"), local
 
         stats = RoundStats(**control["stats"])
-        result = RoundResult.of_allreduce(stats, {str(k): v for k, v in (control["gathered"] or {}).items()})
+        result = RoundResult.of_allreduce(stats, {str(k): v for k, v in (control["gathered"] or {}).items()},
+                                          avoided=control.get("avoided"))
         with self.get_tensors() as buffers:
             # the shared buffers themselves, not a copy (the memory budget): nothing writes them again
             # before the next average(), and the node applies this round before it hands off the next

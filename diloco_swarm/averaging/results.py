@@ -53,6 +53,9 @@ class RoundResult:
     # peer id -> share of the values we reduced on which its part was an outlier, left out (allreduce.RoundStats.
     # outlier_senders): its Δ lay far from the others'; the round keeps the robust average
     outlier_peers: dict[str, float] = field(default_factory=dict)
+    # peer id -> why, of every peer our averager banned or avoids once this round's members were judged
+    # (conduct.PeerConduct.shunned_peers); None where no all-reduce ran (the node keeps what it last heard)
+    avoided_peers: dict[str, str] | None = None
     digest: str = ""
     agreed_peers: int = 0  # members (besides us) whose published digest matched ours
     gone_peers: list[str] = field(default_factory=list)  # silent members found gone: not waited for (confirm.py)
@@ -66,12 +69,14 @@ class RoundResult:
         return cls(ok=False, group_size=1, reason=reason, seconds=time.perf_counter() - started)
 
     @classmethod
-    def of_allreduce(cls, stats: RoundStats, gathered: dict[str, Any] | None = None) -> RoundResult:
-        """The not yet verified (``ok=False``) result of a finished all-reduce: its group and traffic."""
+    def of_allreduce(cls, stats: RoundStats, gathered: dict[str, Any] | None = None,
+                     avoided: dict[str, str] | None = None) -> RoundResult:
+        """The not yet verified (``ok=False``) result of a finished all-reduce: its group and traffic;
+        ``avoided``: the peers our averager shuns after it (``avoided_peers``)."""
         return cls(ok=False, group_size=max(1, len(stats.group_peer_ids)), group_peer_ids=stats.group_peer_ids,
                    group_id=stats.group_id, gathered=gathered if gathered is not None else {},
                    bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, rejected_peers=stats.named_peers,
-                   outlier_peers=dict(stats.outlier_senders))
+                   outlier_peers=dict(stats.outlier_senders), avoided_peers=avoided)
 
 
 def check_round(stats: RoundStats, local: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor], *,

@@ -287,3 +287,14 @@ def status(
     out.print(Text(summary_line(totals)), soft_wrap=True)
     if totals["lineage"]["warning"]:
         out.print(Text("warning: " + totals["lineage"]["warning"], style="yellow"), soft_wrap=True)
+    for line in avoided_lines(totals):
+        out.print(Text(line, style="yellow"), soft_wrap=True)
+
+
+def avoided_lines(totals: dict[str, Any]) -> list[str]:
+    """One line per peer that online peers keep out of their groups (``summarize``'s ``avoided``),
+    control characters dropped: ``peer x0 3f9a2c…e0b1d4 avoided by 2 of 4 peers (h0, h1): its Δ was ...``."""
+    from diloco_swarm.dashboard.render import avoided_text, short_id  # lazy: pydantic
+
+    return [printable(f"peer {e['name'] + ' ' if e.get('name') else ''}{short_id(e['peer_id'])} {avoided_text(e)}")
+            for e in totals.get("avoided") or []]

@@ -73,6 +73,16 @@ def short_id(peer_id: Any) -> str:
     return s if len(s) <= 14 else f"{s[:6]}…{s[-6:]}"
 
 
+def avoided_text(entry: dict[str, Any]) -> str:
+    """One entry of ``totals.avoided`` (``state.avoided_summary``) in words, as plain text (peer-supplied:
+    escape or sanitize it for the screen): ``avoided by 2 of 4 peers (alice, 3f9a2c…e0b1d4): its Δ was an
+    outlier in 3 rounds in a row``."""
+    by = entry.get("by") or []
+    who = ", ".join(str(b.get("name") or short_id(b.get("peer_id"))) for b in by)
+    why = "; ".join(str(w) for w in entry.get("why") or [])
+    return f"avoided by {len(by)} of {entry.get('of', len(by))} peers ({who})" + (f": {why}" if why else "")
+
+
 # ------------------------------------------------------------------------------------------ charts
 def _nice_step(span: float, target: int = 4) -> float:
     raw = span / max(target, 1)
@@ -313,6 +323,7 @@ def _round(row: dict[str, Any]) -> str:
 def _peer_table(doc: dict[str, Any], colors: dict[str, int]) -> str:
     heads = ["State", "Peer", "Device", "Outer step", "Loss", "Tokens/s", "Last round", "Goodput", "Reach",
              "Uptime", "Traffic"]
+    avoided = {e["peer_id"]: e for e in (doc.get("totals") or {}).get("avoided") or []}
     body = []
     for r in doc["peers"]:
         state = r["state"]
@@ -322,6 +333,10 @@ def _peer_table(doc: dict[str, Any], colors: dict[str, int]) -> str:
         peer = (swatch
                 + (f'<b class="name">{name}</b><br>' if name else "")
                 + f'<code class="pid" title="{pid}">{text(short_id(r.get("peer_id")))}</code>')
+        if r.get("peer_id") in avoided and r["state"] != "gone":
+            e = avoided[r["peer_id"]]
+            peer += (f'<br><span class="bad avoided" title="{text(avoided_text(e), 600)}">'
+                     f'avoided by {len(e["by"])} of {int(e["of"])}</span>')
         reach = {"public": "public", "unverified": "public?", "client": "client"}.get(r.get("reachability"), "–")
         version = text(r.get("version"), 32)
         heard = "said goodbye" if r.get("left") else f'heard {fmt_duration(r.get("age_s"))} ago'
@@ -350,6 +365,22 @@ def _peer_table(doc: dict[str, Any], colors: dict[str, int]) -> str:
             f'</thead><tbody>{"".join(body)}</tbody></table></div>{_states_legend(doc)}</section>')
 
 
+def _avoided(doc: dict[str, Any]) -> str:
+    """The peers that online peers keep out of their groups, and who says so (empty when none)."""
+    entries = (doc.get("totals") or {}).get("avoided") or []
+    if not entries:
+        return ""
+    items = "".join(
+        f'<li data-peer-id="{text(e["peer_id"], 128)}">'
+        + (f'<b class="name">{text(e.get("name"), 64)}</b> ' if e.get("name") else "")
+        + f'<code class="pid" title="{text(e["peer_id"], 128)}">{text(short_id(e["peer_id"]))}</code> '
+        + f'{text(avoided_text(e), 600)}</li>'
+        for e in entries)
+    return ('<section class="card avoided-list" id="avoided"><h2>Avoided peers</h2>'
+            '<p class="dim">what online peers say about others: each keeps these out of its averaging groups '
+            f'(a peer\'s own word, not proof)</p><ul>{items}</ul></section>')
+
+
 def _states_legend(doc: dict[str, Any]) -> str:
     c = doc["config"]
     return (
@@ -373,7 +404,7 @@ def render_live(doc: dict[str, Any], now: float | None = None) -> str:
     else:
         status = '<span class="dot bad"></span>cannot read the DHT right now; showing the last known state'
     return (f'<p class="status" id="status">{status}</p>' + _lineage_warning(doc) + _totals(doc) + _charts(doc, colors, now)
-            + _peer_table(doc, colors))
+            + _peer_table(doc, colors) + _avoided(doc))
 
 
 CSS = """
@@ -423,6 +454,7 @@ tr.stale td{opacity:.55}tr.gone td{opacity:.38}tr.gone .name{text-decoration:lin
 .warning{color:var(--bad);font-weight:600;margin:4px 0 10px}
 .badge.online{color:var(--ok)}.badge.stale{color:var(--warn)}.badge.gone{color:var(--dim)}
 .dim{color:var(--dim)}.bad{color:var(--bad)}
+.avoided-list{margin-top:12px}.avoided-list ul{margin:0;padding-left:18px;font-size:.88rem}
 .states{list-style:none;padding:0;margin:10px 0 0;display:flex;flex-wrap:wrap;gap:4px 18px;color:var(--dim);font-size:.82rem}
 footer{color:var(--dim);font-size:.82rem;padding:16px}footer a{color:inherit}
 @media (max-width:720px){

@@ -37,6 +37,8 @@ API_SCHEMA = 1
 MAX_SAMPLES = 2000  # per series
 MAX_PEERS = 256  # rows kept (and per-peer series); the least recently heard go first
 STATES = ("online", "stale", "gone")
+MAX_AVOIDED_SHOWN = 32  # peers in totals.avoided (the most reported first): records are untrusted input
+MAX_REASONS = 3  # distinct reasons kept per avoided peer
 
 # swarm sample: [t, peers_online, tokens_per_s, mean_loss, newest_outer_step]
 # peer sample:  [t, loss, tokens_per_s, outer_step]
@@ -306,4 +308,33 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "lineages": lineage["lineages"],
         "split": lineage["split"],
         "lineage": lineage,
+        "avoided": avoided_summary(rows),
     }
+
+
+def avoided_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The peers that online peers say they keep out of their groups (each record's ``avoided_peers``:
+    banned, or avoided a while, e.g. for outlier Δs; averaging/conduct.py), the most reported first.
+
+    Each: ``peer_id``; ``name`` (its own record's, None when it publishes none); ``by``: the online
+    peers that report it (``{"peer_id", "name"}``); ``of``: the online peers besides it that could
+    (every record, old ones without the field too); ``why``: up to :data:`MAX_REASONS` distinct
+    reasons given. A peer's word about another, not proof: a dishonest peer can name anyone, so
+    who says it is part of the answer. At most :data:`MAX_AVOIDED_SHOWN` peers.
+    """
+    online = {r["peer_id"]: r for r in rows if r["state"] == "online" and isinstance(r.get("peer_id"), str)}
+    names = {r["peer_id"]: r.get("name") or None for r in rows if isinstance(r.get("peer_id"), str)}
+    reports: dict[str, dict[str, Any]] = {}
+    for reporter, row in online.items():
+        for item in row.get("avoided_peers") or ():
+            peer = item.get("peer_id") if isinstance(item, dict) else None
+            if not isinstance(peer, str) or peer == reporter:
+                continue
+            entry = reports.setdefault(peer, {"peer_id": peer, "name": names.get(peer), "by": {}, "why": []})
+            entry["by"][reporter] = {"peer_id": reporter, "name": names.get(reporter)}
+            why = str(item.get("why") or "")
+            if why and why not in entry["why"] and len(entry["why"]) < MAX_REASONS:
+                entry["why"].append(why)
+    out = [{**e, "by": list(e["by"].values()), "of": len(online) - (e["peer_id"] in online)} for e in reports.values()]
+    out.sort(key=lambda e: (-len(e["by"]), e["peer_id"]))
+    return out[:MAX_AVOIDED_SHOWN]

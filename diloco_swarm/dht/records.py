@@ -49,6 +49,8 @@ MAX_GROUP = 10**6
 MAX_TIME = 1e11  # unix time, year ~5138
 MAX_MADDRS = 8
 MAX_MADDR = 256
+MAX_AVOIDED = 16  # peers a record names as avoided (the newest kept)
+MAX_WHY = 160  # characters of the reason given for each
 
 
 # An owner subkey holds the owner's public key as ``[owner:<ssh-rsa key>]``: the same pattern as
@@ -65,6 +67,19 @@ class ThetaMark(pv1.BaseModel):
 
     step: pv1.conint(strict=True, ge=0, le=MAX_COUNT)
     digest: pv1.constr(strict=True, regex=DIGEST_PATTERN)
+
+    class Config:
+        extra = pv1.Extra.forbid
+
+
+PEER_ID_PATTERN = r"^[A-Za-z0-9]+$"
+
+
+class AvoidedPeer(pv1.BaseModel):
+    """A peer this peer's averager bans or avoids (averaging/conduct.py), and why: its own word."""
+
+    peer_id: pv1.constr(strict=True, min_length=1, max_length=MAX_PEER_ID, regex=PEER_ID_PATTERN)
+    why: pv1.constr(strict=True, max_length=MAX_WHY)
 
     class Config:
         extra = pv1.Extra.forbid
@@ -88,9 +103,10 @@ class OwnerSubkey(pv1.ConstrainedBytes):
 
 
 class PeerRecord(pv1.BaseModel):
-    """What one peer says about itself. Strict types: hivemind's SchemaValidator allows no conversion."""
+    """What one peer says about itself (and, in ``avoided_peers``, whom it keeps out of its groups). Strict types:
+    hivemind's SchemaValidator allows no conversion."""
 
-    peer_id: pv1.constr(strict=True, min_length=1, max_length=MAX_PEER_ID, regex=r"^[A-Za-z0-9]+$")
+    peer_id: pv1.constr(strict=True, min_length=1, max_length=MAX_PEER_ID, regex=PEER_ID_PATTERN)
     name: pv1.constr(strict=True, max_length=MAX_NAME)
     version: pv1.constr(strict=True, max_length=MAX_SHORT)
     device: pv1.constr(strict=True, max_length=MAX_SHORT)
@@ -126,6 +142,9 @@ class PeerRecord(pv1.BaseModel):
     # tokens trained into the θ_global this peer holds, since θ_0 (dht/lineages.py); None: not said
     # (an older peer): readers then have no evidence of its lineage's training
     lineage_tokens: Optional[pv1.conint(strict=True, ge=0, le=MAX_COUNT)] = None
+    # the peers this peer keeps out of its groups now (banned, or avoided for a while), newest last: as
+    # of its last round with a group. Absent in older records
+    avoided_peers: pv1.conlist(AvoidedPeer, max_items=MAX_AVOIDED) = []
 
     class Config:
         extra = pv1.Extra.forbid
@@ -187,10 +206,29 @@ def normalize_snapshot(snapshot: dict[str, Any], *, now: float | None = None) ->
     out["averaging_round"] = None if round_in_flight is None else _int(round_in_flight, MAX_COUNT)
     lineage = snapshot.get("lineage_tokens")
     out["lineage_tokens"] = None if lineage is None else _int(lineage, MAX_COUNT)
+    out["avoided_peers"] = avoided_of(snapshot.get("avoided_peers"))
     if not out["updated"]:
         out["updated"] = float(clock.now() if now is None else now)
     PeerRecord.parse_obj(out)  # raises ValueError (pydantic's ValidationError) on a bad peer_id
     return out
+
+
+_PEER_ID = re.compile(PEER_ID_PATTERN)
+
+
+def avoided_of(raw: Any) -> list[dict[str, str]]:
+    """The ``avoided_peers`` of a record from a snapshot's peer id -> why (or the record's own list of
+    ``{"peer_id", "why"}``): malformed peer ids dropped, reasons truncated to :data:`MAX_WHY`, the
+    newest (last) :data:`MAX_AVOIDED` kept."""
+    if isinstance(raw, dict):
+        pairs = list(raw.items())
+    elif isinstance(raw, (list, tuple)):
+        pairs = [(item.get("peer_id"), item.get("why")) for item in raw if isinstance(item, dict)]
+    else:
+        return []
+    out = [{"peer_id": peer, "why": str(why or "")[:MAX_WHY]} for peer, why in pairs
+           if isinstance(peer, str) and len(peer) <= MAX_PEER_ID and _PEER_ID.match(peer)]
+    return out[-MAX_AVOIDED:]
 
 
 def _finite(value: Any) -> bool:

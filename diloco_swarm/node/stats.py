@@ -45,6 +45,7 @@ class NodeStats:
     averaging_round: int | None = None  # the grid round we look for a group in (grouping.round_number)
     peers_seen: int = 1
     last_round: dict[str, Any] | None = None
+    avoided_peers: dict[str, str] = field(default_factory=dict)  # peer id -> why our averager shuns it (conduct.py)
     live: dict[str, Any] = field(default_factory=dict)  # the running phase: inner_step, phase_steps, loss, tokens_per_s
     # (outer step, θ digest) our own rounds produced, newest last: the swarm's lineages (dht/lineages.py)
     theta_marks: deque = field(default_factory=lambda: deque(maxlen=MAX_THETA_MARKS))
@@ -68,6 +69,8 @@ class NodeStats:
             self.bytes_received += part.bytes_received
         self.last_round = {"group_size": result.group_size, "bytes_sent": result.bytes_sent,
                            "averaging_s": result.seconds, "round_ok": result.ok, "reason": result.reason}
+        if result.avoided_peers is not None:  # (a new dict: the publisher thread may be reading the old one)
+            self.avoided_peers = dict(result.avoided_peers)
 
     def totals(self) -> dict[str, Any]:
         """The cumulative fields of every ``outer_step`` metrics record."""
@@ -114,4 +117,5 @@ class NodeStats:
             "phase_eta": float(self.phase_eta),
             "averaging_round": self.averaging_round,
             "theta_marks": self.theta_marks.copy(),  # copy(): the publisher reads it on its own thread
+            "avoided_peers": self.avoided_peers,
         }
