@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 PROTOCOL_VERSION = 4  # 2: sync_mode; records carry inner_step_s. 3: int8 codec version 2 (linear map). 4: records
-# carry lineage_tokens and avoided_peers, rounds gather lineage_tokens, reducers take the skipped mean (issue 37)
+# carry avoided_peers, reducers take the skipped mean (issue 37)
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
 RUN_ID_MAX = 64
 # Fields added after the first release, with the value every earlier run implicitly had. A spec

@@ -109,8 +109,10 @@ def test_shunned_peers_lists_the_banned_then_the_avoided_newest_last():
     judge.judge(RoundStats(failed_reducers={"R": REFUSED_OUR_PART}))
     judge.judge(RoundStats(failed_reducers={"R": REFUSED_OUR_PART}, rejected_senders={"B": "bad codec"}))
     judge.avoid("Y", 60, "a test")
-    judge.avoid("R", 60, "again")  # avoided anew: now the newest
+    judge.avoid("R", 600, "again")  # avoided anew, for longer: now the newest
     assert list(judge.shunned_peers()) == ["B", "Y", "R"]
+    assert judge.shunned_peers()["R"] == "again"
+    judge.avoid("R", 60, "a shorter one")  # a shorter avoidance does not cut a longer one short
     assert judge.shunned_peers()["R"] == "again"
     assert judge.shunned() == 3
 

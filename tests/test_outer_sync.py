@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -30,7 +30,6 @@ class Result:  # the fields of averaging.results.RoundResult that the sync and t
     bytes_received: int = 0
     seconds: float = 0.0
     maybe_kept: bool = False
-    gathered: dict = field(default_factory=dict)  # (empty: the lineage's training adds our own tokens)
     avoided_peers: dict | None = None  # None: no group, the node keeps the peers it last heard of
 
 

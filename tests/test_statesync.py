@@ -15,10 +15,9 @@ def d(label: str) -> str:
     return hashlib.sha256(label.encode()).hexdigest()[:16]
 
 
-def record(peer: str, step: int, marks: list[tuple[int, str]], reachability: str = "public",
-           lineage_tokens: int | None = None):
+def record(peer: str, step: int, marks: list[tuple[int, str]], reachability: str = "public"):
     """A verified record entry as ``read_peer_entries`` returns it (owner key = the peer's name)."""
-    rec = SimpleNamespace(peer_id=peer, outer_step=step, reachability=reachability, lineage_tokens=lineage_tokens,
+    rec = SimpleNamespace(peer_id=peer, outer_step=step, reachability=reachability,
                           theta_marks=[SimpleNamespace(step=s, digest=g) for s, g in marks])
     return SimpleNamespace(owner=f"key-{peer}", record=rec)
 
@@ -99,7 +98,6 @@ def test_only_a_peer_late_for_the_last_round_takes_the_swarms_final_state():
 
     p = StateSync.__new__(StateSync)
     p.cfg = SimpleNamespace(max_outer_steps=4)
-    p.state, p._refused_lineages = SimpleNamespace(lineage_tokens=0), set()
     asked = []
     p.download = lambda **kw: asked.append(kw) or "the final state"
     swarm_at_4 = Evidence(supported_step=4, holders_by_step={4: {"x"}})
@@ -145,7 +143,7 @@ def _finisher(monkeypatch, reads: list[dict[str, str]], first_choice: list[str])
         view = seen[-1]
         marks = {p: v if isinstance(v, tuple) else (10, v) for p, v in view.items()}
         return [SimpleNamespace(owner=f"key-{p}", record=SimpleNamespace(
-            peer_id=p, outer_step=step, updated=1.0, reachability="public", lineage_tokens=None,
+            peer_id=p, outer_step=step, updated=1.0, reachability="public",
             theta_marks=[SimpleNamespace(step=step, digest=g)])) for p, (step, g) in marks.items()]
 
     monkeypatch.setattr(statesync_mod, "read_peer_entries", lambda dht, run_id: entries())
@@ -155,7 +153,7 @@ def _finisher(monkeypatch, reads: list[dict[str, str]], first_choice: list[str])
     p = StateSync.__new__(StateSync)
     held, downloads = ["X"], []
     p.client_mode, p.peer_id = False, "me"
-    p.state = SimpleNamespace(step=10, digest=lambda: held[0], marks=deque(), lineage_tokens=0)
+    p.state = SimpleNamespace(step=10, digest=lambda: held[0], marks=deque())
     p.swarm = SwarmView(me="me")
     p.stop = SimpleNamespace(requested=False, event=SimpleNamespace(wait=lambda s: clock.__setitem__(0, clock[0] + s)))
     p.stats = SimpleNamespace(phase_eta=1.0)
@@ -163,7 +161,7 @@ def _finisher(monkeypatch, reads: list[dict[str, str]], first_choice: list[str])
     p.spec, p.dht, p.log = SimpleNamespace(run_id="r"), None, lambda line: None
     p._holders_of_canonical = lambda others, mine, evidence: [q for q in first_choice if q in others]
 
-    def sync_state(*, min_step, reason, candidates, attempts, at_any_training=False):
+    def sync_state(*, min_step, reason, candidates, attempts):
         downloads.append(sorted(candidates))
         held[0] = seen[-1][candidates[0]]  # the digest its holder showed in the read that chose it
         return True

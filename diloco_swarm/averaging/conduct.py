@@ -77,8 +77,9 @@ class PeerConduct:
 
     def avoid(self, peer: str, seconds: float, why: str) -> None:
         """Neither join a group this peer leads nor let it join ours, for ``seconds``."""
-        self._avoided.pop(peer, None)  # (re-inserted: shunned_peers() lists the newest avoidance last)
-        self._avoided[peer] = (self._clock() + seconds, why)
+        held = self._avoided.pop(peer, None)  # (re-inserted: shunned_peers() lists the newest avoidance last)
+        until = self._clock() + seconds
+        self._avoided[peer] = held if held is not None and held[0] > until else (until, why)  # the longer one holds
         logger.warning(f"Avoiding peer {peer} for {seconds:.0f}s: {why}")
 
     def avoids(self, peer: str) -> bool:

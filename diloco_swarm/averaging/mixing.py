@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from diloco_swarm.averaging.grouping import is_count
-from diloco_swarm.dht.lineages import MAX_LINEAGE_TOKENS, lineage_tokens_of
 
 MAX_MARKS = 8  # (outer step, θ digest) pairs a member may list in its gathered metadata
 DOWNLOAD_BYTES_PER_VALUE = 8  # a state download: θ_global + outer momentum, fp32
@@ -47,14 +46,12 @@ class MixPlan:
     ``reference``: the (outer step, digest) of the θ_global every member holds, the origin of the
     differences. ``weights``: peer id -> 1.0 for the members at the round's outer step, 0.0 for
     those behind it (they receive the mixed state but do not pull the others back).
-    ``outer_step``: every member's outer step after the mix. ``lineage_tokens``: the training behind
-    the mixed θ_global (:func:`mixed_lineage_tokens`).
+    ``outer_step``: every member's outer step after the mix.
     """
 
     reference: State
     weights: dict[str, float]
     outer_step: int
-    lineage_tokens: int = 0
 
 
 def mixing_group_id(group_id: bytes) -> bytes:
@@ -102,29 +99,20 @@ def plan_mix(gathered: Mapping[str, Any]) -> MixPlan | None:
       against :data:`MIX_BYTES_PER_VALUE` per member in the all-reduce).
     - The reference is the newest state every member lists; without one there is no mix (the
       caller falls back to downloading the canonical state).
-    - A member behind ``S`` whose lineage carries more training than every member at ``S``
-      (``lineage_tokens``, e.g. a founder that slept while a joiner restarted from θ_0 and made
-      more, smaller outer steps) would be pulled onto the lesser one at weight 0: no mix; the caller
-      compares the states (``node/canonical.py``: the more trained one is canonical).
 
     :param gathered: peer id -> that member's gathered metadata (``outer_step``, ``theta_digest``,
-        ``marks``: further [step, digest] pairs it holds; ``lineage_tokens``, ``weight``), every member
-        of the round included.
+        ``marks``: further [step, digest] pairs it holds), every member of the round included.
     """
-    members, trained = {}, {}
+    members = {}
     for peer, meta in gathered.items():
         parsed = states_of(meta)
         if parsed is None:
             return None
         members[str(peer)] = parsed
-        trained[str(peer)] = lineage_tokens_of(meta.get("lineage_tokens"))
     if len(members) < 2:
         return None
     step = round_step(start[0] for start, _ in members.values())
     current = {p for p, (start, _) in members.items() if start[0] >= step}
-    at_step = [trained[p] for p in current if trained[p] is not None]
-    if at_step and any(trained[p] is not None and trained[p] > max(at_step) for p in members if p not in current):
-        return None  # (no member at the step claims any: no evidence, the mix goes on as before)
     lineages = {members[p][0][1] for p in current}  # digests: one θ_global claimed at two steps is one
     behind = len(members) - len(current)
     if len(lineages) == 1 and not _mix_is_cheaper(behind, len(members)):
@@ -134,50 +122,7 @@ def plan_mix(gathered: Mapping[str, Any]) -> MixPlan | None:
         return None
     reference = max(common)
     return MixPlan(reference=reference, weights={p: float(p in current) for p in sorted(members)},
-                   outer_step=step + 1, lineage_tokens=mixed_lineage_tokens(gathered))
-
-
-def round_tokens(gathered: Mapping[str, Any]) -> int:
-    """The tokens a verified round's average Δ̄ holds: the sum of its members' gathered ``weight``
-    (each the tokens behind its Δ; untrusted: a malformed one counts 0, each at most
-    :data:`~diloco_swarm.dht.lineages.MAX_LINEAGE_TOKENS`). Every member reads the same gathered
-    metadata, so every member adds the same."""
-    total = 0
-    for meta in gathered.values():
-        weight = meta.get("weight") if isinstance(meta, Mapping) else None
-        if isinstance(weight, (int, float)) and not isinstance(weight, bool) and 0 <= weight <= MAX_LINEAGE_TOKENS:
-            total += int(weight)
-    return min(total, MAX_LINEAGE_TOKENS)
-
-
-def applied_lineage_tokens(gathered: Mapping[str, Any], digest: str, ours: int) -> int:
-    """The training behind θ_global once a group round's average is applied to the θ_global of
-    ``digest`` (``ours`` tokens behind it): the most that any member starting from that θ_global
-    claims (``lineage_tokens``; ours included), plus the round's tokens (:func:`round_tokens`). Every
-    member that started from it reads the same gathered metadata, so all hold one value after it, even
-    if their counts had drifted (a checkpoint from before the field: 0 on resume)."""
-    claims = [lineage_tokens_of(meta.get("lineage_tokens")) for meta in gathered.values()
-              if isinstance(meta, Mapping) and meta.get("theta_digest") == digest]
-    base = max([ours, *(c for c in claims if c is not None)])
-    return min(base + round_tokens(gathered), MAX_LINEAGE_TOKENS)
-
-
-def lineage_after_round(result: Any, digest: str, ours: int, own_tokens: int) -> int:
-    """The training behind θ_global once a round is applied (``result``: its ``RoundResult``): with the group's
-    average (verified, or maybe kept, 2+ members gathered), :func:`applied_lineage_tokens`; with our own Δ
-    alone, ``ours`` plus its tokens (at least 1: a step is training)."""
-    if (result.ok or result.maybe_kept) and len(result.gathered) >= 2:
-        return applied_lineage_tokens(result.gathered, digest, ours)
-    return min(ours + max(own_tokens, 1), MAX_LINEAGE_TOKENS)
-
-
-def mixed_lineage_tokens(gathered: Mapping[str, Any]) -> int:
-    """The training behind a mix's θ_global: the most any member's lineage claims (``lineage_tokens``;
-    none valid: 0) plus the round's tokens (:func:`round_tokens`). The mix keeps every member's
-    progress, so it stands on the most trained of them, plus Δ̄. The same on every member."""
-    claims = [lineage_tokens_of(meta.get("lineage_tokens")) if isinstance(meta, Mapping) else None
-              for meta in gathered.values()]
-    return min(max((c for c in claims if c is not None), default=0) + round_tokens(gathered), MAX_LINEAGE_TOKENS)
+                   outer_step=step + 1)
 
 
 def round_step(start_steps: Iterable[int]) -> int:

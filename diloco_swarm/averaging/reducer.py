@@ -81,6 +81,7 @@ class RobustPartReducer(TensorPartReducer):
         except Exception as e:
             if not future.done():
                 future.set_exception(AllreduceException(f"could not combine a part: {e!r}"))
+            self.finalize()  # no later part can be combined: the senders waiting for one must not spin
             return
         if self.finished.is_set() or future.done():  # finalized meanwhile (its future cancelled)
             return

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-TAU_FACTOR = 6.0  # the skipped mean's τ, in median distances: honest equal phases lie within 3 (bench.hostile)
+TAU_FACTOR = 6.0  # the skipped mean's τ, in median distances: honest equal phases lay within 4.3 (bench.hostile)
 CLIP_TAU_FACTOR = 3.0  # CenteredClip's τ (a candidate): honest parts of equal phases lay within 2.8
 MAX_ITERATIONS = 10  # re-centrings of the skipped mean, steps of CenteredClip; both settle within a few
 STOP_FRACTION = 1e-3  # CenteredClip stops once a step moves the centre by less than this share of τ

@@ -20,11 +20,6 @@ The rule (documented in docs/protocol.md and docs/dashboard.md):
   of a rotating grid (``--target-group-size``), which hold one lineage each at every step but meet
   other groups' peers from round to round.
 
-A record also carries ``lineage_tokens``: the tokens trained into the θ_global it holds since
-θ_0 (:func:`lineage_tokens_of` reads the claim). Outer steps count rounds, not training: a joiner
-whose state download failed restarts from θ_0 at outer step 0, and its solo steps may outnumber a
-founder's while carrying less training. Adoption compares this instead (node/canonical.py).
-
 No I/O, no hivemind import: ``status``, the dashboard's JSON and ``/metrics`` (through
 ``dashboard.state.summarize``) and a light client that reads records some other way share it.
 """
@@ -40,7 +35,6 @@ SPLIT_STEPS = 3  # consecutive compared steps with 2+ lineages before we call it
 DIGEST_PATTERN = r"^[0-9a-f]{8,64}$"
 _DIGEST = re.compile(DIGEST_PATTERN)
 _MAX_STEP = 10**18
-MAX_LINEAGE_TOKENS = 10**18  # fits msgpack's uint64, as the record's other counters
 
 
 def marks_of(raw: Any) -> dict[int, str]:
@@ -67,22 +61,6 @@ def marks_of(raw: Any) -> dict[int, str]:
         out[step] = digest
     newest = sorted(out)[-MAX_THETA_MARKS:]
     return {s: out[s] for s in newest}
-
-
-def lineage_tokens_of(value: Any) -> int | None:
-    """A peer's ``lineage_tokens`` claim (record, state metadata or gathered metadata; untrusted):
-    an int in [0, :data:`MAX_LINEAGE_TOKENS`], or None when missing or malformed (no evidence)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LINEAGE_TOKENS:
-        return None
-    return value
-
-
-def tokens_text(tokens: int) -> str:
-    """``9.8M`` / ``612k`` / ``950``: a token count in one short word."""
-    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if tokens >= scale:
-            return f"{tokens / scale:.1f}{suffix}"
-    return str(tokens)
 
 
 def lineage_summary(marks_by_peer: Mapping[str, Any]) -> dict[str, Any]:

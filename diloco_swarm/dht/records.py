@@ -139,9 +139,6 @@ class PeerRecord(pv1.BaseModel):
     # the grid round (averaging/grouping.py: round_number) this peer looks for a group in; None when
     # it is in none: peers behind the swarm at its step join that round
     averaging_round: Optional[pv1.conint(strict=True, ge=0, le=MAX_COUNT)] = None
-    # tokens trained into the θ_global this peer holds, since θ_0 (dht/lineages.py); None: not said
-    # (an older peer): readers then have no evidence of its lineage's training
-    lineage_tokens: Optional[pv1.conint(strict=True, ge=0, le=MAX_COUNT)] = None
     # the peers this peer keeps out of its groups now (banned, or avoided for a while), newest last: as
     # of its last round with a group. Absent in older records
     avoided_peers: pv1.conlist(AvoidedPeer, max_items=MAX_AVOIDED) = []
@@ -204,8 +201,6 @@ def normalize_snapshot(snapshot: dict[str, Any], *, now: float | None = None) ->
     out["theta_marks"] = [{"step": s, "digest": d} for s, d in marks_of(snapshot.get("theta_marks")).items()]
     round_in_flight = snapshot.get("averaging_round")
     out["averaging_round"] = None if round_in_flight is None else _int(round_in_flight, MAX_COUNT)
-    lineage = snapshot.get("lineage_tokens")
-    out["lineage_tokens"] = None if lineage is None else _int(lineage, MAX_COUNT)
     out["avoided_peers"] = avoided_of(snapshot.get("avoided_peers"))
     if not out["updated"]:
         out["updated"] = float(clock.now() if now is None else now)

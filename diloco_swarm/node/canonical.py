@@ -1,11 +1,9 @@
 """Which θ_global the swarm backs: pure functions of the swarm's signed records and a round's members.
 
 A node acts on another peer's claim (adopts its state, follows its outer step) only with evidence
-from more than one record owner (:class:`Evidence`, :func:`gather_evidence`), and never adopts a
-state with less training behind it than its own (:func:`lineage_problem`: a lineage restarted from
-θ_0 may be at a newer outer step); the members of a round that started it from different θ_global
-pick the same canonical one (:func:`canonical_state`: the most trained first), and peers that
-judged apart settle on a strict majority's (:func:`majority_holders`). No I/O: the node's
+from more than one record owner (:class:`Evidence`, :func:`gather_evidence`); the members of a round
+that started it from different θ_global pick the same canonical one (:func:`canonical_state`), and
+peers that judged apart settle on a strict majority's (:func:`majority_holders`). No I/O: the node's
 state sync (``statesync.py``) reads the records and downloads what these functions choose.
 """
 
@@ -14,10 +12,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Container, Mapping
+from typing import Container
 
 from diloco_swarm.averaging.mixing import round_step
-from diloco_swarm.dht.lineages import lineage_tokens_of, marks_of, tokens_text
+from diloco_swarm.dht.lineages import marks_of
 
 EVIDENCE_QUORUM = 2  # distinct signing keys whose records must back a claim before a peer acts on it
 
@@ -36,8 +34,6 @@ class Evidence:
     vouched: dict[tuple[int, str], set[str]] = field(default_factory=dict)
     holders_by_step: dict[int, set[str]] = field(default_factory=dict)  # peer ids whose record is at a step
     clients: set[str] = field(default_factory=set)  # peer ids whose records say client: they donate no state
-    # peer id -> (its record's outer step, its lineage_tokens or None: not said); dht/lineages.py
-    lineage: dict[str, tuple[int, int | None]] = field(default_factory=dict)
 
     def accepts(self, step: int, digest: str) -> str | None:
         """Why a state (outer step, θ digest) may not be adopted, or None.
@@ -86,7 +82,6 @@ def gather_evidence(entries, me: str, my_step: int = 0, my_marks=()) -> Evidence
         if record.reachability == "client":
             evidence.clients.add(record.peer_id)
         evidence.holders_by_step.setdefault(record.outer_step, set()).add(record.peer_id)
-        evidence.lineage[record.peer_id] = (record.outer_step, lineage_tokens_of(record.lineage_tokens))
         for step, digest in marks_of([(m.step, m.digest) for m in record.theta_marks]).items():
             claims.setdefault((step, digest), {})[entry.owner] = record.peer_id
     quorum = min(EVIDENCE_QUORUM, max(1, len(steps)))
@@ -97,29 +92,6 @@ def gather_evidence(entries, me: str, my_step: int = 0, my_marks=()) -> Evidence
     vouch_quorum = min(EVIDENCE_QUORUM, len(steps) + 1)
     evidence.vouched = {state: set(who.values()) - {me} for state, who in claims.items() if len(who) >= vouch_quorum}
     return evidence
-
-
-def lineage_problem(theirs: Any, ours: int) -> str | None:
-    """Why a state whose lineage claims ``theirs`` tokens of training (untrusted: a record's or a
-    state's ``lineage_tokens``) must not replace ours (``ours`` tokens), or None.
-
-    Only more training replaces ours: a state at a newer outer step whose lineage restarted from θ_0
-    (a joiner whose download failed) is refused by a peer with more behind it. A missing or
-    malformed claim is no evidence (an older peer): the outer-step rules decide alone, as before."""
-    claim = lineage_tokens_of(theirs)
-    if claim is None or claim > ours:
-        return None
-    return f"{tokens_text(claim)} tokens behind it, ours {tokens_text(ours)}"
-
-
-def record_lineage_problem(evidence: Evidence, peer: str, step: int, claim: Any) -> str | None:
-    """Why a downloaded state's ``lineage_tokens`` ``claim`` (at outer ``step``) contradicts its donor's
-    signed record, or None: at the record's own outer step the two must agree (a record is re-signed
-    every few seconds, so at another step it may just lag)."""
-    step_in_record, in_record = evidence.lineage.get(peer, (None, None))
-    if in_record is None or step_in_record != step or lineage_tokens_of(claim) == in_record:
-        return None
-    return f"its lineage_tokens {claim!r} differ from its signed record's ({in_record}) at outer step {step}"
 
 
 def majority_holders(others: dict[str, str], same: int) -> list[str]:
@@ -134,19 +106,15 @@ def majority_holders(others: dict[str, str], same: int) -> list[str]:
 
 
 def canonical_state(entries: dict[str, tuple[int, str]], me: str, evidence: Evidence, donors: Container[str],
-                    can_donate: bool, lineage: Mapping[str, Any] | None = None) -> tuple[int, str]:
+                    can_donate: bool) -> tuple[int, str]:
     """The (outer step, θ digest) the members of a round should all hold, as member ``me`` sees it.
 
     ``entries``: peer id -> the state it started the round from (the round's gathered metadata, the
     same for every member). A candidate is no newer than the round's step (``mixing.round_step``: the
     newest step half the members reached), is backed by the swarm's signed records (``evidence``) and
     can be donated by its holder (``donors``; ours when ``can_donate``: a client cannot serve it).
-    The candidate with the most training behind it wins (``lineage``: peer id -> the
-    ``lineage_tokens`` its state claims, untrusted; a state's is the most a holder claims; none valid:
-    below any), then the newest, then a vouched one, then the one most members hold, then digest
-    order; with no candidate, every state is one. Within one lineage the newest state is the most
-    trained; across lineages (a joiner that restarted from θ_0 while its donor slept) the outer step
-    counts rounds, not training.
+    The newest candidate wins, then a vouched one, then the one most members hold, then digest order;
+    with no candidate, every state is one.
 
     The step cap is what keeps the members agreeing: each member always trusts its own state, so a
     member alone ahead of the others (it applied a round alone) would keep choosing its own state
@@ -157,9 +125,4 @@ def canonical_state(entries: dict[str, tuple[int, str]], me: str, evidence: Evid
     eligible = {e for p, e in entries.items() if e[0] <= cap and (
         (p in donors and evidence.accepts(*e) is None) or (p == me and can_donate))}
     votes = Counter(e for e in entries.values() if e in eligible or not eligible)
-    trained: dict[tuple[int, str], int] = {}
-    for p, e in entries.items():
-        claim = lineage_tokens_of((lineage or {}).get(p))
-        if claim is not None:
-            trained[e] = max(trained.get(e, -1), claim)
-    return max(votes, key=lambda e: (trained.get(e, -1), e[0], e in evidence.vouched, votes[e], e[1]))
+    return max(votes, key=lambda e: (e[0], e in evidence.vouched, votes[e], e[1]))

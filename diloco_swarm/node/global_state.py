@@ -94,18 +94,13 @@ class GlobalState:
         (``NodeStats.theta_marks``), the evidence a joiner trusts (node/canonical.py).
     :param averager: the averager that may be donating this state (None in tests).
     :param log: one line to the user.
-    :param lineage_tokens: the tokens trained into θ_global since θ_0, over every peer whose Δ it
-        holds (a verified round adds its members' weights, a solo step ours, an adopted state or a
-        mix brings its own: ``dht/lineages.py``). Outer steps count rounds; this counts training,
-        so a lineage restarted from θ_0 never replaces a more trained one (node/canonical.py).
     """
 
     def __init__(self, outer: OuterOptimizer, *, lock: threading.Lock, history: ThetaHistory, marks: deque,
-                 averager: Any = None, log: Callable[[str], None] = print, step: int = 0, lineage_tokens: int = 0):
+                 averager: Any = None, log: Callable[[str], None] = print, step: int = 0):
         self.outer, self.lock, self.history, self.marks = outer, lock, history, marks
         self.averager, self.log = averager, log
         self.step = step  # the outer step θ_global is at
-        self.lineage_tokens = lineage_tokens  # tokens trained into θ_global since θ_0
         self._digest_cache: tuple[int, str] | None = None  # (θ_global's write generation, digest)
 
     @property
@@ -134,8 +129,7 @@ class GlobalState:
         to write them (:meth:`writing`, averaging/donation.py)."""
         with self.lock:
             seal = StateSeal(self.outer.generation, int(self.outer.generation.item()))
-            meta = {"outer_step": self.step, "spec_hash": spec_hash, "theta_digest": self.digest(), "peer_id": peer_id,
-                    "lineage_tokens": self.lineage_tokens}
+            meta = {"outer_step": self.step, "spec_hash": spec_hash, "theta_digest": self.digest(), "peer_id": peer_id}
             return meta, self.outer.theta + self.outer.momentum_buffers(), seal
 
     @contextlib.contextmanager
@@ -150,14 +144,14 @@ class GlobalState:
             yield
 
     @contextlib.contextmanager
-    def moving_to(self, step: int, digest: str | None = None, *, lineage_tokens: int) -> Iterator[None]:
-        """Change θ_global inside this block; it then stands at outer step ``step`` with
-        ``lineage_tokens`` of training behind it. The state it leaves is kept as a θ-mixing reference,
-        and the new one is marked (``digest``, when the caller knows it, else computed)."""
+    def moving_to(self, step: int, digest: str | None = None) -> Iterator[None]:
+        """Change θ_global inside this block; it then stands at outer step ``step``. The state it
+        leaves is kept as a θ-mixing reference, and the new one is marked (``digest``, when the caller
+        knows it, else computed)."""
         with self.writing():
             self.history.remember(self.current(), self.outer.theta)
             yield
-            self.step, self.lineage_tokens = step, lineage_tokens
+            self.step = step
         self.marks.append((self.step, digest or self.digest()))
 
     def mark(self) -> None:

@@ -27,7 +27,6 @@ class MixedState:
     outer_step: int
     digest: str
     reference_step: int
-    lineage_tokens: int = 0  # the training behind it (``MixPlan.lineage_tokens``)
 
 
 class ThetaMixer:
@@ -79,7 +78,7 @@ class ThetaMixer:
         """θ_global, outer momentum and outer step ← the mixed state (training thread); θ_local keeps
         its progress since the hand-off (the mix holds this round's Δ̄, our Δ in it; ``sync``:
         node/outer_sync.py's ``OuterSync``)."""
-        with self.state.moving_to(mixed.outer_step, mixed.digest, lineage_tokens=mixed.lineage_tokens):
+        with self.state.moving_to(mixed.outer_step, mixed.digest):
             sync.adopt(mixed.theta, mixed.momentum, handoff.delta, estimate, carry=False)
         self.stats.mixed_rounds += 1
 
@@ -89,4 +88,4 @@ def mixed_state(plan: MixPlan, reference: list[torch.Tensor], mixed: list[torch.
     n = len(reference)
     theta = [r + d for r, d in zip(reference, mixed[:n])]  # every member adds the same fp32 values: bit-identical
     return MixedState(theta=theta, momentum=mixed[n:], outer_step=plan.outer_step, digest=theta_digest(theta),
-                      reference_step=plan.reference[0], lineage_tokens=plan.lineage_tokens)
+                      reference_step=plan.reference[0])

@@ -63,7 +63,6 @@ class Handoff:
     marks: list = field(default_factory=list)  # [step, digest] of earlier θ_global we hold (mixing references)
     started: float = 0.0  # time.monotonic() of the hand-off
     carried: "Carried | None" = None  # late rounds whose Δ this one carries
-    lineage_tokens: int = 0  # the training behind θ_global at the hand-off (dht/lineages.py)
 
     @property
     def work_s(self) -> float:

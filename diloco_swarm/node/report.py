@@ -99,18 +99,6 @@ class MetricsWriter:
             self._file = None
 
 
-def round_warnings(outer_step: int, result: Any) -> list[str]:
-    """The log lines a round's ``RoundResult`` calls for: each member left out of it, and each sender whose
-    Δ our reducer left out as an outlier (``averaging/robust.py``)."""
-    lines = [f"outer step {outer_step}: peer {peer} was left out of the round: {why}"
-             for peer, why in result.rejected_peers.items()]
-    if result.outlier_peers:
-        lines.append(f"outer step {outer_step}: " + "; ".join(
-            f"peer {peer} sent an outlier Δ, left out of {share:.0%} of our slice"
-            for peer, share in result.outlier_peers.items()))
-    return lines
-
-
 def _inner_progress(step: int, target: int | None, waiting: bool = False) -> str:
     """``inner 12/50``; past the target the phase runs on while the round is in flight (overlap), up
     to DyLU's bound, where training waits for the round."""

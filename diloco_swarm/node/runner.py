@@ -29,7 +29,7 @@ import torch
 
 from diloco_swarm import __version__
 from diloco_swarm.averaging.allreduce import finite_norm
-from diloco_swarm.averaging.mixing import history_length, lineage_after_round
+from diloco_swarm.averaging.mixing import history_length
 from diloco_swarm.dht.calls import ChildUnavailable
 from diloco_swarm.node import round_policy as policy
 from diloco_swarm.node.checkpoint_writer import CheckpointWriter
@@ -40,7 +40,7 @@ from diloco_swarm.node.housekeeping import Housekeeping
 from diloco_swarm.node.global_state import GlobalState, ThetaHistory
 from diloco_swarm.node.mixing import ThetaMixer
 from diloco_swarm.node.outer_sync import Carried, Handoff, OuterSync, Preview, RoundOutcome
-from diloco_swarm.node.report import MetricsWriter, StatusLine, round_fields, round_warnings
+from diloco_swarm.node.report import MetricsWriter, StatusLine, round_fields
 from diloco_swarm.node.round import Round
 from diloco_swarm.node.signals import StopFlag
 from diloco_swarm.node.startup import Startup
@@ -269,8 +269,7 @@ class Node(Startup):
         carried, self._carried = self._carried, None  # Δ already holds it: θ_local kept the late rounds' work
         return Handoff(delta=delta, tokens=tokens + (carried.tokens if carried else 0), inner_steps=steps,
                        inner_s=inner_s, loss=loss, outer_step=self.outer_step, theta_digest=self.state.digest(),
-                       marks=self.state.reference_marks(), started=time.monotonic(), carried=carried,
-                       lineage_tokens=self.state.lineage_tokens)
+                       marks=self.state.reference_marks(), started=time.monotonic(), carried=carried)
 
     def _inner_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One AdamW step on one batch ([B, T] int64 inputs and targets); returns its loss (nats/token)."""
@@ -354,8 +353,7 @@ class Node(Startup):
     def _round_metadata(self, handoff: Handoff) -> dict[str, Any]:
         """What the group's members gather from us: the θ_global we started the round from."""
         return {"outer_step": handoff.outer_step, "spec_hash": self.spec.spec_hash(),
-                "theta_digest": handoff.theta_digest, "marks": handoff.marks,
-                "lineage_tokens": handoff.lineage_tokens}
+                "theta_digest": handoff.theta_digest, "marks": handoff.marks}
 
     def _donor_priority(self) -> float:
         """Our priority among state donors (hivemind's ``state_sharing_priority``): our outer step."""
@@ -383,9 +381,8 @@ class Node(Startup):
                 self.state_sync.adopt(outcome.state, handoff=handoff, estimate=estimate, carry=carry)
                 if wasted:
                     self.stats.wasted_inner_s += handoff.work_s  # replaced by a state that may not include it
-            case policy.Apply():  # a verified average, or our own Δ; the training behind it (dht/lineages.py)
-                lineage = lineage_after_round(outcome.result, handoff.theta_digest, self.state.lineage_tokens, handoff.tokens)
-                with self.state.moving_to(self.outer_step + 1, lineage_tokens=lineage):
+            case policy.Apply():  # a verified average, or our own Δ
+                with self.state.moving_to(self.outer_step + 1):
                     self.sync.apply(outcome.average, estimate)
             case policy.Hold():  # late: θ_global stays, θ_local keeps Δ for the next round
                 with self.state.lock:
@@ -411,8 +408,12 @@ class Node(Startup):
         self.housekeeping.upkeep_soon()
         self.stats.live["waiting"] = False  # the round is applied: the line must not say we wait for it
         self._status(force=True)
-        for line in round_warnings(self.outer_step, outcome.result):
-            self.status.log(line)
+        for peer, why in outcome.result.rejected_peers.items():
+            self.status.log(f"outer step {self.outer_step}: peer {peer} was left out of the round: {why}")
+        if outcome.result.outlier_peers:
+            self.status.log(f"outer step {self.outer_step}: " + "; ".join(
+                f"peer {peer} sent an outlier Δ, left out of {share:.0%} of our slice"
+                for peer, share in outcome.result.outlier_peers.items()))
 
     def _round_record(self, handoff: Handoff, outcome: RoundOutcome, round_step: int) -> dict[str, Any]:
         """The ``outer_step`` metrics record (docs/metrics.md): the round's fields, and where we stand."""
@@ -421,8 +422,7 @@ class Node(Startup):
                 "sync_mode": self.spec.sync_mode, "compression": self.spec.compression,
                 **round_fields(handoff, outcome, self._preview), "eval_loss": self.stats.eval_loss,
                 "eval_outer_step": self.stats.eval_outer_step, "reachability": self.reachability,
-                "theta_digest": self.state.digest(), "lineage_tokens": self.state.lineage_tokens,
-                **self.stats.totals()}
+                "theta_digest": self.state.digest(), **self.stats.totals()}
 
     def _evaluate_now(self) -> None:
         """Held-out loss of θ_global now (at the start, after a state adopted at the end): an ``eval``
@@ -443,7 +443,6 @@ class Node(Startup):
             "outer_step": self.outer_step,
             "inner_steps_total": self.stats.inner_steps_total,
             "tokens_total": self.stats.tokens_total,
-            "lineage_tokens": self.state.lineage_tokens,
             "outer": self.state.outer.state_dict(),
         }
 
@@ -461,7 +460,6 @@ class Node(Startup):
             "precision": precision,
             "reachability": self.reachability,
             "outer_step": self.outer_step,
-            "lineage_tokens": self.state.lineage_tokens if self.state is not None else None,
             "maddrs": [] if self.client_mode else self.maddrs,  # a client cannot be dialed
             **self.stats.peer_record(),
         }

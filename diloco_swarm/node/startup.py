@@ -410,11 +410,8 @@ class Startup:
             self.state.step = int(ckpt["outer_step"])
             self.stats.inner_steps_total = int(ckpt["inner_steps_total"])
             self.stats.tokens_total = int(ckpt["tokens_total"])
-            # a checkpoint written before lineages carried their training: 0, as every peer resumed from
-            # one counts afresh (their first round together evens them out; docs/operations.md)
-            self.state.lineage_tokens = int(ckpt.get("lineage_tokens", 0))
             counters = {"outer_step": self.outer_step, "inner_steps_total": self.stats.inner_steps_total,
-                        "tokens_total": self.stats.tokens_total, "lineage_tokens": self.state.lineage_tokens}
+                        "tokens_total": self.stats.tokens_total}
             negative = [f"{name} = {value}" for name, value in counters.items() if value < 0]
             if negative:
                 raise ValueError(f"a negative counter: {', '.join(negative)}")

@@ -8,10 +8,6 @@
 - **The end of a run**: a finisher serves its state to the peers still behind
   (:meth:`StateSync.end_on_one_model`).
 
-None of them adopts a state with less training behind it than ours (``GlobalState.lineage_tokens``,
-``canonical.lineage_problem``), whatever its outer step: a joiner whose download failed while its
-donor slept restarts from θ_0, and its solo steps must not replace the donor's lineage when it wakes.
-
 The state this peer donates is read from ``GlobalState.for_donation`` (node/global_state.py). Every
 payload comes from an untrusted peer and is checked against the run spec before anything changes. Which state the swarm's records back, and which one a
 round's members settle on, are the pure rules of ``node/canonical.py``.
@@ -26,10 +22,8 @@ from typing import Any, Callable
 
 import torch
 
-from diloco_swarm.dht.lineages import lineage_tokens_of
 from diloco_swarm.dht.records import live_records, read_peer_entries
-from diloco_swarm.node.canonical import (Evidence, canonical_state, gather_evidence, lineage_problem, majority_holders,
-                                         record_lineage_problem)
+from diloco_swarm.node.canonical import Evidence, canonical_state, gather_evidence, majority_holders
 from diloco_swarm.node.global_state import GlobalState, theta_digest
 from diloco_swarm.node.redial import dial_peers, gone_peers
 
@@ -83,7 +77,6 @@ class StateSync:
         self.stats, self.metrics, self.records, self.swarm = stats, metrics, records, swarm
         self.checkpoints, self.evaluate_now, self.stop, self.log = checkpoints, evaluate_now, stop, log
         self._unsupported_claims: set[str] = set()  # peers warned of once (:meth:`_warn_unsupported`)
-        self._refused_lineages: set[tuple[str, int]] = set()  # (peer, outer step) said once (:meth:`_trained_more`)
 
     def _check(self, meta: Any, tensors: list[torch.Tensor], min_step: int) -> str | None:
         """Why a downloaded state is unusable, or None. The donor is untrusted."""
@@ -132,10 +125,7 @@ class StateSync:
         newest = evidence.supported_step
         if newest <= self.state.step:
             return
-        candidates = self._trained_more(evidence, evidence.donors_at(newest))
-        if not candidates:  # (a resumed checkpoint with more training behind it than the swarm's newest state)
-            return
-        synced = self.download_and_adopt(min_step=newest, reason="join", attempts=3, candidates=candidates)
+        synced = self.download_and_adopt(min_step=newest, reason="join", attempts=3, candidates=evidence.donors_at(newest))
         if not synced and not self.stop.requested:  # a stop cuts the download short: nothing to report
             self.log(f"could not download the swarm's state (outer step {newest}); "
                             f"continuing from outer step {self.state.step}")
@@ -158,15 +148,12 @@ class StateSync:
         (a failed round is late for every member: they keep their θ_global).
         :returns: the state to adopt instead of applying the round, or None."""
         entries: dict[str, tuple[int, str]] = {}
-        trained: dict[str, Any] = {}  # peer id -> the lineage_tokens its start state claims
         for peer, meta in gathered.items():
             if isinstance(meta, dict) and isinstance(meta.get("outer_step"), int) and isinstance(
                 meta.get("theta_digest"), str
             ):
                 entries[peer] = (meta["outer_step"], meta["theta_digest"])
-                trained[peer] = meta.get("lineage_tokens")
         entries[self.peer_id] = mine
-        trained[self.peer_id] = trained.get(self.peer_id, self.state.lineage_tokens)
         evidence = self.evidence()
         newest = evidence.supported_step
         if len(set(entries.values())) > 1:
@@ -174,13 +161,13 @@ class StateSync:
                 if peer != self.peer_id and entry[0] > newest + 1:  # one step ahead: records still on their way
                     self._warn_unsupported(peer, entry[0])
             canonical = canonical_state(entries, self.peer_id, evidence, self.averager.donors(),
-                                        can_donate=not self.client_mode, lineage=trained)
+                                        can_donate=not self.client_mode)
             if mine != canonical:  # (a holder whose record says client serves no state: never asked)
                 holders = [p for p, e in entries.items() if e == canonical and p not in evidence.clients]
                 # behind the canonical outer step: a late peer, not a lineage of its own
                 reason = "lagging" if canonical[0] > mine[0] else "diverged"
                 state = self.download(min_step=canonical[0] + int(applied), reason=reason,
-                                             candidates=holders, attempts=6, at_any_training=True)
+                                             candidates=holders, attempts=6)
                 if state is not None:
                     state.includes_round = True
                 return state
@@ -201,29 +188,8 @@ class StateSync:
         limit = self.cfg.max_outer_steps
         at_end = then is not None and 0 < limit <= newest and newest > then
         if newest > step + 1 or at_end:
-            candidates = self._trained_more(evidence, evidence.donors_at(newest))
-            return self.download(min_step=newest, reason="lagging", candidates=candidates) if candidates else None
+            return self.download(min_step=newest, reason="lagging", candidates=evidence.donors_at(newest))
         return None
-
-    def _trained_more(self, evidence: Evidence, candidates: list[str]) -> list[str]:
-        """Those of ``candidates`` whose signed record does not show less training behind their state
-        than ours (``canonical.lineage_problem``; a record without the claim is no evidence: kept).
-        Each refused (peer, outer step) is said once."""
-        ours, kept = self.state.lineage_tokens, []
-        for peer in candidates:
-            step, claim = evidence.lineage.get(peer, (None, None))
-            problem = lineage_problem(claim, ours)
-            if problem is None:
-                kept.append(peer)
-            else:
-                self._refuse_lineage(peer, step, problem)
-        return kept
-
-    def _refuse_lineage(self, peer: str, step: Any, problem: str) -> None:
-        if (peer, step) not in self._refused_lineages:
-            self._refused_lineages.add((peer, step))
-            self.log(f"not adopting peer {peer}'s state at outer step {step}: {problem} "
-                     f"(a lineage with less training, e.g. restarted from the initial weights)")
 
     def end_on_one_model(self, in_grid: bool = False) -> None:
         """At the planned end (``--max-outer-steps``): stay online, at most :data:`FINISH_LINGER_S`,
@@ -310,8 +276,7 @@ class StateSync:
                     others = {}  # ours is no majority either: nobody follows us, nobody to wait for
                 elif holders:
                     synced += 1
-                    if self.download_and_adopt(min_step=self.state.step, reason="diverged", candidates=holders, attempts=3,
-                                               at_any_training=True):  # (ranked, or a majority's: one model)
+                    if self.download_and_adopt(min_step=self.state.step, reason="diverged", candidates=holders, attempts=3):
                         self.evaluate_now()
                         self.records.publish_now()
                     continue
@@ -335,10 +300,7 @@ class StateSync:
         holding the canonical one (:func:`canonical_state`) when it is not ours ``mine``; else []."""
         at_step = {p: (self.state.step, d) for p, d in others.items()}
         at_step[self.peer_id] = (self.state.step, mine)
-        trained = {p: claim for p, (_, claim) in evidence.lineage.items() if p in others}
-        trained[self.peer_id] = self.state.lineage_tokens
-        canonical = canonical_state(at_step, self.peer_id, evidence, self.averager.donors(), can_donate=True,
-                                    lineage=trained)
+        canonical = canonical_state(at_step, self.peer_id, evidence, self.averager.donors(), can_donate=True)
         return [] if canonical[1] == mine else [p for p, d in others.items() if d == canonical[1]]
 
     def _warn_unsupported(self, peer: str, step: int) -> None:
@@ -349,14 +311,12 @@ class StateSync:
                             "backs; not following it")
 
     def download(self, *, min_step: int, reason: str, candidates: list[str] | None = None,
-                        attempts: int = 1, at_any_training: bool = False) -> "DownloadedState | None":
+                        attempts: int = 1) -> "DownloadedState | None":
         """Download θ_global, outer momentum and outer step from a live peer (any thread; adopts nothing).
 
         Donors: ``candidates`` if given, else the most advanced peers that share state (a random
         one first, so no single donor is choked), then the others. Each payload is checked
-        against the run spec before use; a failed or bad donor is skipped, and so is a state whose
-        ``lineage_tokens`` contradict its donor's record, or show less training than ours (unless
-        ``at_any_training``: the canonical state of a round, already ranked by its training).
+        against the run spec before use; a failed or bad donor is skipped.
         :returns: the checked state, or None when no donor gave a usable one.
         """
         max_bytes = 2 * sum(t.numel() for t in self.state.theta) * 4 + (1 << 20)
@@ -387,17 +347,10 @@ class StateSync:
                     self.log(f"state download from {peer} failed: {_download_problem(e)}")
                     continue
                 problem = self._check(meta, tensors, min_step)
-                if problem is None:
-                    problem = record_lineage_problem(evidence, peer, meta["outer_step"], meta.get("lineage_tokens"))
                 if problem is not None:
                     if "older than" not in problem:
                         self.log(f"refused the state of {peer}: {problem}")
                     continue
-                if not at_any_training:
-                    trained_less = lineage_problem(meta.get("lineage_tokens"), self.state.lineage_tokens)
-                    if trained_less is not None:
-                        self._refuse_lineage(peer, meta["outer_step"], trained_less)
-                        continue
                 if evidence.accepts(meta["outer_step"], meta["theta_digest"]) is not None:
                     evidence = self.evidence()  # the records of a fresh round may just be arriving
                     problem = evidence.accepts(meta["outer_step"], meta["theta_digest"])
@@ -417,8 +370,7 @@ class StateSync:
         training (join sync); after a round (``handoff``, ``estimate``: node/outer_sync.py), θ_local
         keeps its progress since the hand-off, and the hand-off's Δ when ``carry``."""
         before, n = self.state.step, len(self.state.theta)
-        lineage = lineage_tokens_of(state.meta.get("lineage_tokens")) or 0  # (an older donor's: unknown)
-        with self.state.moving_to(state.meta["outer_step"], state.meta["theta_digest"], lineage_tokens=lineage):
+        with self.state.moving_to(state.meta["outer_step"], state.meta["theta_digest"]):
             if handoff is None:
                 self.state.outer.load_theta_and_momentum(state.tensors[:n], state.tensors[n:])
                 self.state.outer.copy_to(self.params)
@@ -429,16 +381,15 @@ class StateSync:
         self.metrics.write({"event": "state_sync", "peer_id": self.peer_id, "donor": state.donor,
                             "reason": state.reason, "from_outer_step": before, "outer_step": self.state.step,
                             "bytes": state.received, "seconds": round(state.seconds, 3),
-                            "theta_digest": state.meta["theta_digest"], "lineage_tokens": self.state.lineage_tokens})
+                            "theta_digest": state.meta["theta_digest"]})
         self.log(f"state sync ({state.reason}): outer step {before} -> {self.state.step} from {state.donor} "
                  f"({state.received / 1e6:.1f} MB in {state.seconds:.1f}s)")
 
     def download_and_adopt(self, *, min_step: int, reason: str, candidates: list[str] | None = None,
-                           attempts: int = 1, at_any_training: bool = False) -> bool:
+                           attempts: int = 1) -> bool:
         """Download a live peer's state and adopt it now (before training: join sync).
         :returns: True when a state was adopted."""
-        state = self.download(min_step=min_step, reason=reason, candidates=candidates, attempts=attempts,
-                              at_any_training=at_any_training)
+        state = self.download(min_step=min_step, reason=reason, candidates=candidates, attempts=attempts)
         if state is None:
             return False
         self.adopt(state)
