@@ -22,7 +22,8 @@ from rich.console import Console
 
 from diloco_swarm.dashboard.app import Poller, create_app
 from diloco_swarm.dashboard.metrics import make_registry, render_metrics
-from diloco_swarm.dashboard.render import render_page, text
+from diloco_swarm.dashboard.charts import text
+from diloco_swarm.dashboard.render import render_page
 from diloco_swarm.dashboard.state import HISTORY_FILE, SwarmState, summarize
 from diloco_swarm.dht.publisher import PeerRecordPublisher
 from diloco_swarm.dht.records import PeerEntry, PeerRecord
@@ -558,7 +559,7 @@ def _tick_texts(svg: str) -> list[str]:
 
 
 def test_narrow_loss_range_gets_distinct_tick_labels():
-    from diloco_swarm.dashboard.render import line_chart, tick_labels
+    from diloco_swarm.dashboard.charts import line_chart, tick_labels
 
     now = 10_000.0
     points = [(now - 600 + 10 * i, 5.2800 + 0.0001 * (i % 7)) for i in range(60)]  # loss 5.2800 .. 5.2806
@@ -572,7 +573,7 @@ def test_narrow_loss_range_gets_distinct_tick_labels():
 
 
 def test_a_gap_in_history_breaks_the_line():
-    from diloco_swarm.dashboard.render import line_chart
+    from diloco_swarm.dashboard.charts import line_chart
 
     now = 20_000.0
     before = [(now - 6000 + 15 * i, 5.0 - 0.01 * i) for i in range(20)]  # 90 minutes before the second run

@@ -180,7 +180,7 @@ def _f(value: Any, digits: int = 3) -> str:
 def render_table(rows: list[dict[str, Any]], run_id: str, width: int = 120) -> Table:
     """The peer table; below 110 columns it leaves out device, goodput and uptime to stay readable
     (reach stays: it says who can average with whom)."""
-    from diloco_swarm.dashboard.render import fmt_duration, fmt_si, short_id  # lazy: pydantic
+    from diloco_swarm.dashboard.charts import fmt_duration, fmt_si, short_id  # lazy: pydantic
 
     wide = width >= 110
     table = Table(title=Text(f"run {run_id}"), title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
@@ -225,7 +225,7 @@ def render_table(rows: list[dict[str, Any]], run_id: str, width: int = 120) -> T
 
 
 def summary_line(totals: dict[str, Any]) -> str:
-    from diloco_swarm.dashboard.render import fmt_si  # lazy: pydantic
+    from diloco_swarm.dashboard.charts import fmt_si  # lazy: pydantic
 
     parts = [f"{totals['peers_online']} peer{'s' if totals['peers_online'] != 1 else ''} online"]
     if totals["peers_stale"]:
