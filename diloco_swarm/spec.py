@@ -15,14 +15,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
-PROTOCOL_VERSION = 4  # 2: sync_mode; records carry inner_step_s. 3: int8 codec version 2 (linear map). 4: records
-# carry avoided_peers, reducers take the skipped mean (issue 37)
+PROTOCOL_VERSION = 5  # 2: sync_mode; records carry inner_step_s. 3: int8 codec version 2 (linear map). 4: records
+# carry avoided_peers, reducers take the skipped mean (issue 37). 5: private runs (spec organiser, records' admission)
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
 RUN_ID_MAX = 64
 # Fields added after the first release, with the value every earlier run implicitly had. A spec
 # holding these values serializes without them, so its hash, its DHT record and the checkpoints of
 # runs started before the fields existed stay exactly as they were.
-LATER_FIELD_DEFAULTS: dict[str, object] = {"tokenizer": "byte", "vocab_size": 256}
+LATER_FIELD_DEFAULTS: dict[str, object] = {"tokenizer": "byte", "vocab_size": 256, "organiser": None}
+ORGANISER_PATTERN = r"^ed25519:[A-Za-z0-9_-]{43}$"  # invites.public_key_text
 
 
 def run_id_problem(run_id: str) -> str | None:
@@ -54,6 +55,8 @@ class RunSpec(BaseModel):
     # overlap: the next inner phase runs while Δ is averaged (eager updates, arXiv 2502.12996);
     # blocking: training waits for each round (DiLoCo, arXiv 2311.08105). Changes what every member applies.
     sync_mode: Literal["overlap", "blocking"] = "overlap"
+    # a private run (invites.py): the organiser's public key, which signs every invitation; None = public
+    organiser: str | None = Field(None, pattern=ORGANISER_PATTERN)
 
     @model_serializer(mode="wrap")
     def _omit_later_fields_at_their_defaults(self, handler):

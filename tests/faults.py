@@ -40,6 +40,10 @@ Every ``--fault`` adds one fault (any number; none: an honest node); the other a
   clock-step=S@T   T seconds after this peer starts training, its machine's clock reads S seconds more
                    (S < 0: back), in its DHT and averager processes too, as NTP steps a laptop's clock
                    after sleep; touches STATE_DIR/clock-stepped then (S ≠ 0, T ≥ 0)
+  uninvited        a stranger to a private run, running code that skips the invitation check: its
+                   record shows a pass copied from another peer's record, never one for its own peer id
+                   (give it --invite with any invitation to the run: it takes only the run's organiser
+                   key from it, which anyone can read in the DHT's run spec)
 """
 
 # How: the node and its averager are the product's, subclassed (as hivemind's
@@ -78,6 +82,7 @@ from diloco_swarm.averaging.averager import PseudoGradientAverager  # noqa: E402
 from diloco_swarm.averaging.request import RoundRequest  # noqa: E402
 from diloco_swarm.dht.records import read_peer_records  # noqa: E402
 from diloco_swarm.node import runner  # noqa: E402
+from diloco_swarm.node.invitation import OurPass  # noqa: E402
 from diloco_swarm.node.runner import Node  # noqa: E402
 from diloco_swarm.node.global_state import theta_digest  # noqa: E402
 
@@ -185,6 +190,27 @@ class ClaimAheadNode(Node):
         step = record["outer_step"] + CLAIM_AHEAD_STEPS
         marks = [*record.get("theta_marks", []), (step, theta_digest(self.state.theta))]
         return {**record, "outer_step": step, "theta_marks": marks}
+
+
+class CopiedPass(OurPass):
+    """A stranger's pass: the first one found in another peer's record in the DHT."""
+
+    def __init__(self, node):
+        super().__init__(None, node.status.log)
+        self.node = node
+
+    def __call__(self, peer_id: str):
+        records = {} if self.node.dht is None else read_peer_records(self.node.dht, self.node.spec.run_id)
+        return next((r.admission.dict() for p, r in records.items() if p != peer_id and r.admission), None)
+
+
+class UninvitedNode(Node):
+    """``uninvited``: a stranger to a private run. It shows no pass of its own; its record carries one
+    copied from another peer's record (whatever it finds in the DHT), under its own peer id."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.our_pass = CopiedPass(self)
 
 
 # --- a clock that steps (clock-step=S@T) ---------------------------------------------------------
@@ -385,7 +411,8 @@ def faulty_averager(faults: tuple[type[PseudoGradientAverager], ...], state_dir:
 # --- the entry point ------------------------------------------------------------------------------
 NODE_FAULTS: dict[str, type[Node]] = {"claim-ahead": ClaimAheadNode, "disk-full": DiskFullNode, "late-end": LateEndNode,
                                       "late-before-end": LateBeforeEndNode, "slowdown": SlowInnerSteps,
-                                      "dump-rounds": DumpRoundsNode, "clock-step": ClockStepNode}
+                                      "dump-rounds": DumpRoundsNode, "clock-step": ClockStepNode,
+                                      "uninvited": UninvitedNode}
 AVERAGER_FAULTS: dict[str, type[PseudoGradientAverager]] = {
     "nan": NonFiniteScalesAverager, "huge": HugeContributionAverager, "scale": ScaledContributionAverager,
     "direction": RandomDirectionAverager, "plain-mean": PlainMeanAverager, "stall-allreduce": StallingAverager,
@@ -399,7 +426,7 @@ VALUED = {"slowdown": ("F", "a finite number F ≥ 1", lambda x: x >= 1.0),
           "clock-step": ("S@T", "seconds S ≠ 0 and T ≥ 0", None)}  # clock-step: parse_clock_step
 FAULTS = ("nan", "huge", "scale", "direction", "plain-mean", "stall-allreduce", "withhold-digest", "claim-ahead",
           "drop-part", "lonely", "disk-full", "late-end", "late-before-end", "slowdown", "dump-rounds",
-          "slow-donation", "clock-step")  # in the order of the help
+          "slow-donation", "clock-step", "uninvited")  # in the order of the help
 
 
 class UsageError(ValueError):

@@ -99,7 +99,7 @@ def make_round(records=None, **parts) -> Round:
     """A :class:`Round` over stand-ins: no DHT, averager or node (``records``: what each read returns)."""
     defaults = dict(cfg=SimpleNamespace(averaging_window=30.0, matchmaking_time=2.0, group_size=64, max_group_size=64,
                                         max_outer_steps=0, initial_peers=[]),
-                    run_id="r", peer_id="me", averager=SimpleNamespace(donors=dict), dht=None,
+                    run_id="r", organiser=None, peer_id="me", averager=SimpleNamespace(donors=dict), dht=None,
                     records=SimpleNamespace(interval_s=5.0, publish_now=lambda: True),
                     stats=SimpleNamespace(last_round={}, averaging_round=None, ahead_wait_s=0.0), log=print,
                     housekeeping=None, swarm=SwarmView(me="me"),

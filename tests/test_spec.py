@@ -34,6 +34,7 @@ OTHER = dict(
     compression="fp16",
     seed=1,
     sync_mode="blocking",
+    organiser="ed25519:" + "A" * 43,
 )
 
 
@@ -110,7 +111,24 @@ def test_spec_hash_is_stable():
 def test_spec_hash_is_pinned():
     """Peers of different versions compare this hash: if it changes (a new field, another
     encoding), old and new nodes stop agreeing. Update the value only on purpose."""
-    assert spec().spec_hash() == "6e4945e9417b5288"  # protocol 4: issue 37's record fields and reducer (on purpose)
+    assert spec().spec_hash() == "84fd00a72649e304"  # protocol 5: issue 37's private runs (on purpose)
+
+
+def test_a_public_run_leaves_the_organiser_out():
+    """None (a public run) is not serialized: its hash moves with the protocol version alone."""
+    assert "organiser" not in spec().model_dump()
+    assert spec(organiser=None).spec_hash() == spec().spec_hash()
+    private = spec(organiser=OTHER["organiser"])
+    assert private.model_dump()["organiser"] == OTHER["organiser"]
+    assert RunSpec.model_validate(private.model_dump()) == private
+
+
+@pytest.mark.parametrize("organiser", ["", "ed25519:", "ed25519:" + "A" * 42, "ed25519:" + "A" * 44,
+                                       "ed25519:" + "A" * 42 + "=", "rsa:" + "A" * 43, "ed25519:" + "A" * 42 + "!",
+                                       "ed25519:" + "A" * 43 + "\n"])
+def test_malformed_organiser_keys_are_refused(organiser):
+    with pytest.raises(ValidationError):
+        spec(organiser=organiser)
 
 
 @pytest.mark.parametrize("field", sorted(OTHER))

@@ -146,7 +146,7 @@ def _finisher(monkeypatch, reads: list[dict[str, str]], first_choice: list[str])
             peer_id=p, outer_step=step, updated=1.0, reachability="public",
             theta_marks=[SimpleNamespace(step=step, digest=g)])) for p, (step, g) in marks.items()]
 
-    monkeypatch.setattr(statesync_mod, "read_peer_entries", lambda dht, run_id: entries())
+    monkeypatch.setattr(statesync_mod, "read_peer_entries", lambda dht, run_id, organiser=None: entries())
     monkeypatch.setattr(statesync_mod, "gone_peers", lambda *a, **kw: set())
     clock = [0.0]  # seconds; each wait between reads advances it
     monkeypatch.setattr(statesync_mod, "time", SimpleNamespace(monotonic=lambda: clock[0]))
@@ -158,7 +158,7 @@ def _finisher(monkeypatch, reads: list[dict[str, str]], first_choice: list[str])
     p.stop = SimpleNamespace(requested=False, event=SimpleNamespace(wait=lambda s: clock.__setitem__(0, clock[0] + s)))
     p.stats = SimpleNamespace(phase_eta=1.0)
     p.records = SimpleNamespace(publish_now=lambda: True, interval_s=5.0)
-    p.spec, p.dht, p.log = SimpleNamespace(run_id="r"), None, lambda line: None
+    p.spec, p.dht, p.log = SimpleNamespace(run_id="r", organiser=None), None, lambda line: None
     p._holders_of_canonical = lambda others, mine, evidence: [q for q in first_choice if q in others]
 
     def sync_state(*, min_step, reason, candidates, attempts):

@@ -38,6 +38,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time, get_logger
 
+from diloco_swarm.averaging.admission import Admission
 from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner, RoundStats
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
 from diloco_swarm.averaging.conduct import PeerConduct
@@ -45,7 +46,7 @@ from diloco_swarm.averaging.confirm import FAILED_MARK, ConfirmedRounds
 from diloco_swarm.averaging.grouping import grid_group_quorum, group_problem, majority_quorum
 from diloco_swarm.averaging.matchmaking import LateMembers, await_group, configure_round, lower_target, round_settings
 from diloco_swarm.averaging.mixing_round import ThetaMixing
-from diloco_swarm.averaging.reachability import Responder
+from diloco_swarm.averaging.reachability import Responder, refusal, shown_admission
 from diloco_swarm.averaging.request import RoundRequest
 from diloco_swarm.averaging.results import RoundResult, short_reason
 from diloco_swarm.averaging.state_sharing import StateProvider, StateSharing
@@ -97,6 +98,9 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
     :param max_norm_ratio: a received average whose norm exceeds this multiple of our own
         Δ's norm is discarded (hostile or broken peer); also bounds each incoming part's RMS. The
         multiple grows with the largest weight in the group over ours (``allreduce.allowed_scale``).
+    :param organiser: ``RunSpec.organiser`` of a private run: only peers with a valid invitation
+        meet us in a group, download our state or have us dial them back (``admission.py``);
+        None (a public run) admits everyone.
     """
 
     def __init__(
@@ -114,6 +118,7 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
         max_norm_ratio: float = 10.0,
         client_mode: bool | None = None,
         state_provider: StateProvider | None = None,
+        organiser: str | None = None,
         **kwargs,
     ):
         if compression not in COMPRESSIONS:
@@ -127,6 +132,7 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
         self._init_mixing()
         self._init_confirmation(dht, prefix)
         self._conduct = PeerConduct()  # the peers we ban or avoid (averager process)
+        self._admission = Admission(lambda key: dht.get(key, latest=True, return_future=True), prefix, organiser)
         self._refused_group: str | None = None  # why the last group of the step in flight was refused
         self._step_in_flight = None  # the StepControl of the round in flight, in the averager process
         self._reachability = Responder()  # answers dial-back checks (public peers only)
@@ -277,7 +283,8 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
         if matchmaking is not None:
             bits, target, online, cap = self._round_settings(step)
             quorum = grid_group_quorum(target) if bits else self._quorum(online, cap)
-            configure_round(matchmaking, bits=bits, target=target, quorum=quorum, avoids=self._conduct.avoids)
+            configure_round(matchmaking, bits=bits, target=target, quorum=quorum, avoids=self._conduct.avoids,
+                            admits=self._admission.admits)
         self._refused_group = None
         self._step_in_flight = step  # its cancellation is read once its all-reduce ran (_aggregate_with_group)
         set_exception = step.set_exception
@@ -338,9 +345,10 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        """As a group leader, turn away peers that sent us invalid data or refused our valid part before."""
+        """As a group leader, turn away peers that sent us invalid data or refused our valid part before,
+        and, in a private run, peers without a valid invitation."""
         peer = context.remote_id.to_base58()
-        if self._conduct.shuns(peer):
+        if self._conduct.shuns(peer) or not await self._admission.admits(peer):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for response in super().rpc_join_group(request, context):
@@ -349,7 +357,11 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
     async def rpc_check_reachability(
         self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> averaging_pb2.DownloadData:
-        """Dial a joining peer back from a fresh libp2p host (averaging/reachability.py)."""
+        """Dial a joining peer back from a fresh libp2p host (averaging/reachability.py); in a private
+        run, only a peer with a valid invitation."""
+        shown = shown_admission(bytes(request.metadata))
+        if not await self._admission.admits(context.remote_id.to_base58(), shown=shown):
+            return refusal("this private run does not admit you: no valid invitation")
         return await self._reachability.answer(request, context.remote_id)
 
     async def _lower_target(self, target: int) -> None:

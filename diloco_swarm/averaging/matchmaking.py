@@ -17,7 +17,7 @@ import contextlib
 import math
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from hivemind.averaging.control import AveragingStage
 from hivemind.utils import MPFuture, get_logger
@@ -58,10 +58,12 @@ def round_settings(data_for_gather: bytes, serializer, *, default_target: int,
     return bits, target, online, cap
 
 
-def configure_round(matchmaking, *, bits: str, target: int, quorum: int, avoids: Callable[[str], bool]) -> None:
+def configure_round(matchmaking, *, bits: str, target: int, quorum: int, avoids: Callable[[str], bool],
+                    admits: Callable[[str], Awaitable[bool]]) -> None:
     """(averager process) Set hivemind's ``Matchmaking`` for the next round: its group ``bits``, target
     size and quorum (``min_group_size``); and, once, make it skip the leaders that ``avoids(peer id)``
-    and keep the group bits we set instead of rotating them itself."""
+    or that ``await admits(peer id)`` refuses (a private run's strangers), and keep the group bits we
+    set instead of rotating them itself."""
     matchmaking.group_key_manager.group_bits = bits
     # hivemind's leader begins once its followers fill the target, whatever the quorum: a group
     # planned smaller than the quorum (late peers) waits for some of them
@@ -72,7 +74,7 @@ def configure_round(matchmaking, *, bits: str, target: int, quorum: int, avoids:
     request_join_group = matchmaking._request_join_group
 
     async def _request_join_group(leader):
-        if avoids(leader.to_base58()):
+        if avoids(leader.to_base58()) or not await admits(leader.to_base58()):
             return None  # hivemind's matchmaking then tries the next potential leader
         return await request_join_group(leader)
 

@@ -147,6 +147,7 @@ class Responder:
         self._lock: asyncio.Lock | None = None
 
     async def answer(self, request: averaging_pb2.DownloadData, remote: PeerID) -> averaging_pb2.DownloadData:
+        """The ``rpc_check_reachability`` handler's body: dial ``remote`` back at the addresses it asks for."""
         try:
             maddrs = parse_request(bytes(request.metadata))
         except ValueError as e:
@@ -167,6 +168,23 @@ class Responder:
         return encode({"reachable": ok, "conclusive": True, "reason": reason})
 
 
+def shown_admission(payload: bytes) -> dict | None:
+    """The pass a dial-back request shows (``admission``), unchecked; None when absent or unreadable."""
+    if len(payload) > MAX_REQUEST_BYTES:
+        return None
+    try:
+        body = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    shown = body.get("admission") if isinstance(body, dict) else None
+    return shown if isinstance(shown, dict) else None
+
+
+def refusal(reason: str) -> averaging_pb2.DownloadData:
+    """An inconclusive answer to a dial-back request we will not serve: the asker tries another responder."""
+    return encode({"reachable": False, "conclusive": False, "reason": reason})
+
+
 class AskDialBack:
     """DHT coroutine (runs in the DHT process via ``DHT.run_coroutine``): ask up to
     :data:`MAX_RESPONDERS` of ``candidates`` to dial us back; the first definite answer wins.
@@ -175,12 +193,15 @@ class AskDialBack:
     ``PseudoGradientAverager``): its name is part of the handler's name on the wire. It is passed in,
     not imported here, because the averager imports this module (its :class:`Responder`)."""
 
-    def __init__(self, servicer: type[ServicerBase], prefix: str, candidates: Sequence[str], maddrs: Sequence[str]):
+    def __init__(self, servicer: type[ServicerBase], prefix: str, candidates: Sequence[str], maddrs: Sequence[str],
+                 admission: dict | None = None):
         self.servicer, self.prefix, self.candidates, self.maddrs = servicer, prefix, list(candidates), list(maddrs)
+        self.admission = admission
 
     async def __call__(self, _dht, node) -> Verdict:
         try:
-            request = encode({"maddrs": self.maddrs})
+            # a private run's joiner shows its pass here: its record is not in the DHT yet
+            request = encode({"maddrs": self.maddrs, **({"admission": self.admission} if self.admission else {})})
         except Exception as e:
             return Verdict(None, reason=f"{type(e).__name__}: {e}"[:200])
         order = list(self.candidates)
@@ -201,9 +222,12 @@ class AskDialBack:
 
 
 def check_reachability(dht, servicer: type[ServicerBase], prefix: str, candidates: Sequence[str],
-                       maddrs: Sequence[str], stop: threading.Event | None = None) -> Verdict:
+                       maddrs: Sequence[str], stop: threading.Event | None = None,
+                       admission: dict | None = None) -> Verdict:
     """Ask public peers (peer ids in ``candidates``) of run ``prefix`` to dial ``maddrs`` back through
     the ``rpc_check_reachability`` of their ``servicer`` (the averager class, ``PseudoGradientAverager``).
+    ``admission``: in a private run, our record's pass (invites.Invitation.admission_pass), shown with
+    the request.
 
     Blocks at most about ``MAX_RESPONDERS * REQUEST_TIMEOUT_S`` seconds (bounded even if the DHT
     process dies), less when ``stop`` is set. Never raises for network trouble: an inconclusive
@@ -212,7 +236,7 @@ def check_reachability(dht, servicer: type[ServicerBase], prefix: str, candidate
     if not candidates or not maddrs:
         return Verdict(None, reason="no public peer to ask" if maddrs else "no TCP listen address")
     try:
-        return dht_run(dht, AskDialBack(servicer, prefix, candidates, maddrs),
+        return dht_run(dht, AskDialBack(servicer, prefix, candidates, maddrs, admission),
                        timeout=MAX_RESPONDERS * REQUEST_TIMEOUT_S + 10, what="reachability check", stop=stop)
     except Exception as e:
         return Verdict(None, reason=f"{type(e).__name__}: {e}"[:200])

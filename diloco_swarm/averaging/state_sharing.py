@@ -104,8 +104,8 @@ def tensor_from_parts(parts: list) -> torch.Tensor:
 
 class StateSharing:
     """The averager's state donation and download (a mixin of a hivemind ``DecentralizedAverager``
-    that also has a ``_command(method, **kwargs)`` into its process). Call :meth:`_init_state_sharing`
-    before the averager process starts."""
+    that also has a ``_command(method, **kwargs)`` into its process and an ``_admission``,
+    admission.py). Call :meth:`_init_state_sharing` before the averager process starts."""
 
     def _init_state_sharing(self, state_provider: StateProvider | None) -> None:
         """``state_provider()`` gives our state to donate: (metadata, the live θ_global + outer momentum
@@ -140,6 +140,8 @@ class StateSharing:
                                    future: MPFuture):
         """Stream one donor's state (:func:`fetch_state`), bounded in bytes and time."""
         try:
+            if not await self._admission.admits(peer):  # a private run's stranger serves us nothing
+                raise RuntimeError(f"peer {peer} shows no valid invitation to this private run")
             stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
             fetch = fetch_state(stub, self.serializer, timeout=timeout, max_bytes=max_bytes)
             send_result(future, await asyncio.wait_for(fetch, timeout=total_timeout))
@@ -148,9 +150,10 @@ class StateSharing:
                 future.set_exception(RuntimeError(short_reason(e)))
 
     async def rpc_download_state(self, _request: averaging_pb2.DownloadRequest,
-                                 _context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """hivemind's, streaming our live state with its seal (donation.py): no snapshot."""
-        if not self.allow_state_sharing:
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's, streaming our live state with its seal (donation.py): no snapshot; in a private
+        run, only to a peer with a valid invitation."""
+        if not self.allow_state_sharing or not await self._admission.admits(context.remote_id.to_base58()):
             return  # hivemind's refusal: the asker tries another donor
         metadata, tensors, seal = await self._get_current_state_from_host_process()
         async for message in self._donations.stream(metadata, tensors, seal, self.state_compression):

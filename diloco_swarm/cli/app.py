@@ -26,6 +26,7 @@ from rich.markup import escape
 
 from diloco_swarm.cli.common import USAGE_ERROR, err, fail, require_finite, require_node
 from diloco_swarm.cli.dashboard import dashboard
+from diloco_swarm.cli.private import invite as invite_command
 from diloco_swarm.cli.probe import probe
 from diloco_swarm.cli.status import status
 from diloco_swarm.cli.text import DEFAULT_RUN_ID, printable
@@ -89,6 +90,7 @@ class Compression(str, Enum):
 
 MAX_THREADS = 256  # --threads: far beyond any CPU node; 100,000 made the OpenMP pool exhaust memory
 MAX_NAME = 64  # = dht/records.py MAX_NAME (not imported here: it loads hivemind)
+DEFAULT_STATE_DIR = Path("diloco-state")
 
 
 class SyncMode(str, Enum):
@@ -104,13 +106,15 @@ AVERAGING = "Averaging"
 
 @app.command()
 def join(
-    run_id: Annotated[str, typer.Option(help="Name of the training run; peers with the same run id train together. The default is shared by every node started without --run-id (each `diloco-node demo` uses its own, demo-YYYYMMDD-HHMMSS).", rich_help_panel=SWARM)] = DEFAULT_RUN_ID,
+    run_id: Annotated[Optional[str], typer.Option(help=f"Name of the training run; peers with the same run id train together. Default: {DEFAULT_RUN_ID}, shared by every node started without --run-id (each `diloco-node demo` uses its own, demo-YYYYMMDD-HHMMSS); in a private run, the run its invitation or state dir names.", show_default=False, rich_help_panel=SWARM)] = None,
     initial_peers: Annotated[Optional[list[str]], typer.Option("--initial-peers", help="Multiaddr of a running node (/ip4/HOST/tcp/PORT/p2p/PEER_ID), as printed by that node. Repeat or separate with spaces. Omit to start a new swarm.", rich_help_panel=SWARM)] = None,
     host: Annotated[str, typer.Option(help="Address to listen on. 0.0.0.0 = all interfaces; 127.0.0.1 = this machine only.", rich_help_panel=SWARM)] = "0.0.0.0",
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port to listen on; 0 = any free port.", rich_help_panel=SWARM)] = 0,
     announce: Annotated[Optional[list[str]], typer.Option("--announce", help="Public multiaddr(s) other peers should dial, e.g. /ip4/203.0.113.5/tcp/31337 for a port-forwarded home PC.", rich_help_panel=SWARM)] = None,
     client_mode: Annotated[bool, typer.Option("--client-mode", help="Only dial out, skipping the reachability check (a home PC without port forwarding). A client trains and averages through public peers but reduces no parts and donates no state. Default: decided at start by a dial-back check (docs/networking.md).", rich_help_panel=SWARM)] = False,
     public: Annotated[bool, typer.Option("--public", help="Serve as a full peer without the reachability check (you know other peers can dial this node).", rich_help_panel=SWARM)] = False,
+    private: Annotated[bool, typer.Option("--private", help="Start a private run: only peers with an invitation take part. Creates the organiser key in --state-dir (required); `diloco-node invite --state-dir DIR` then prints invitations. A restart with the same state dir needs no --private.", rich_help_panel=SWARM)] = False,
+    invite: Annotated[Optional[str], typer.Option("--invite", metavar="TEXT_OR_FILE", help="Join a private run with this invitation (a file holding it, or its text), from its organiser's `diloco-node invite`. Saved in the state dir: a restart needs no --invite.", rich_help_panel=SWARM)] = None,
     dataset: Annotated[Optional[str], typer.Option(help="Text file, folder or glob; or hf:NAME_OR_PATH\\[:CONFIG]\\[@SPLIT]\\[#COLUMN], a Hugging Face dataset (local parquet, JSON Lines, Arrow or text folder; Hub id streamed when online). Default: the Python standard library's source files (no download).", rich_help_panel=TRAINING)] = None,
     model: Annotated[str, typer.Option(help="tiny (~0.5M params, CPUs/tests), small (~11M), base (~100M): byte-level GPT; llama-tiny (~3.5M), llama-150m, llama-1b (OpenDiLoCo's shapes): Llama, vocabulary from --tokenizer; hf:PATH_OR_ID: a causal LM config (and weights, the starting point) from a local folder or the Hub.", rich_help_panel=TRAINING)] = "tiny",
     tokenizer: Annotated[Optional[str], typer.Option(help="byte (one token per byte), a tokenizer.json, a tokenizer folder or a Hub id. Default: byte for tiny/small/base, the model folder's own for hf:, required for llama-*.", rich_help_panel=TRAINING)] = None,
@@ -127,7 +131,7 @@ def join(
     device: Annotated[Device, typer.Option(help="Where the inner steps run; auto = cuda, else mps, else cpu. CUDA trains in bf16 autocast.", rich_help_panel=LOCAL)] = Device.auto,
     threads: Annotated[int, typer.Option(min=0, max=MAX_THREADS, help=f"PyTorch CPU threads (0 = PyTorch's default; at most {MAX_THREADS}). Use 1 when several nodes share a small CPU.", rich_help_panel=LOCAL)] = 0,
     max_outer_steps: Annotated[int, typer.Option(min=0, help="Stop once the outer step reaches this number: the swarm's absolute step (kept across restarts; a joiner syncs to the swarm's), not a count of steps for this run, so a node resumed at or past it trains no step. 0 = run until stopped.", rich_help_panel=LOCAL)] = 0,
-    state_dir: Annotated[Path, typer.Option(help="Identity key, checkpoints and lock of this node. One node per state dir; restart with the same dir to resume.", rich_help_panel=LOCAL)] = Path("diloco-state"),
+    state_dir: Annotated[Optional[Path], typer.Option(help=f"Identity key, checkpoints and lock of this node (default: {DEFAULT_STATE_DIR}). One node per state dir; restart with the same dir to resume.", show_default=False, rich_help_panel=LOCAL)] = None,
     metrics_file: Annotated[Optional[Path], typer.Option(help="Append JSON Lines metrics here (one object per outer step; see docs/metrics.md).", rich_help_panel=LOCAL)] = None,
     name: Annotated[str, typer.Option(help=f"Nickname shown to other peers (at most {MAX_NAME} characters).", rich_help_panel=LOCAL)] = "",
     max_dataset_bytes: Annotated[Optional[int], typer.Option(min=1024, help="Read at most this many bytes of the dataset (faster start on big corpora).", rich_help_panel=LOCAL)] = None,
@@ -172,7 +176,7 @@ def join(
         name = name[:MAX_NAME]
     try:
         spec = RunSpec(
-            run_id=run_id,
+            run_id=run_id or DEFAULT_RUN_ID,
             model=model,
             dataset="(set from the data)",
             seq_len=seq_len,
@@ -197,6 +201,18 @@ def join(
                          dataset=dataset, model=model, tokenizer=tokenizer, metrics_file=metrics_file)
     except InputError as e:
         raise fail(str(e))
+    from diloco_swarm.cli.private import AccessError, resolve_access  # lazy
+    from diloco_swarm.utils import clock
+
+    state_dir_given, state_dir = state_dir is not None, state_dir or DEFAULT_STATE_DIR
+    try:  # after the other checks: it may create the organiser key, or save the invitation
+        access = resolve_access(run_id=run_id, state_dir=state_dir, state_dir_given=state_dir_given, private=private,
+                                invite=invite, now=clock.now())
+        spec = RunSpec.model_validate({**dict(spec), "run_id": access.run_id, "organiser": access.organiser})
+    except AccessError as e:
+        raise fail(str(e))
+    except ValidationError:
+        raise fail(run_id_problem(access.run_id) or "this invitation is damaged: copy it again, whole")
     from diloco_swarm.dht.swarm import SwarmError, parse_initial_peers  # lazy: hivemind
 
     try:
@@ -229,6 +245,8 @@ def join(
         name=name,
         wait_for_peers=wait_for_peers,
         eval_budget=eval_budget,
+        invitation=access.invitation,
+        private_files=access.saves,
         join_flags=_spec_flags_to_repeat(dataset=dataset, model=model, tokenizer=tokenizer, inner_steps=inner_steps, seq_len=seq_len,
                                          inner_lr=inner_lr, outer_lr=outer_lr, outer_momentum=outer_momentum,
                                          compression=compression.value, seed=seed, sync_mode=sync_mode.value,
@@ -430,3 +448,4 @@ def main() -> None:
 app.command()(status)
 app.command()(dashboard)
 app.command()(probe)
+app.command()(invite_command)

@@ -121,7 +121,7 @@ def open_reader(peers: list[str], run_id: str, light: bool) -> tuple[EntriesRead
         return (lambda: first.pop() if first else later()), (lambda: None)
     # lazy: hivemind
     from diloco_swarm.dht.records import read_peer_entries
-    from diloco_swarm.dht.swarm import SwarmError
+    from diloco_swarm.dht.swarm import SwarmError, published_organiser
     from diloco_swarm.node.redial import dial_peers
 
     try:
@@ -132,19 +132,22 @@ def open_reader(peers: list[str], run_id: str, light: bool) -> tuple[EntriesRead
 
     def read():
         nonlocal last_dial
-        entries = read_peer_entries(dht, run_id)
+        organiser = published_organiser(dht, run_id)  # a private run: records without a valid invitation refused
+        entries = read_peer_entries(dht, run_id, organiser=organiser)
         if any(e.record is not None for e in entries or ()) or time.monotonic() - last_dial < REDIAL_EVERY_S:
             return entries  # (tombstones alone do not count: a swarm of departed peers may have restarted)
         last_dial = time.monotonic()
         if not dial_peers(dht, peers):
             return None  # cut off from the swarm: a failed poll, not an empty swarm
-        return read_peer_entries(dht, run_id)
+        return read_peer_entries(dht, run_id, organiser=organiser)
 
     return read, dht.shutdown
 
 
-def collect_rows(read: EntriesReader, *, attempts: int = 3, stale_after_s: float = STALE_AFTER_S) -> list[dict[str, Any]] | None:
-    """Peer rows (record fields + owner, state, age_s) for one look; None when the DHT could not be read.
+def collect_rows(read: EntriesReader, *, attempts: int = 3,
+                 stale_after_s: float = STALE_AFTER_S) -> tuple[list[dict[str, Any]], list[str]] | None:
+    """Peer rows (record fields + owner, state, age_s) for one look, and why each record a private run
+    refused was refused (``PeerEntry.refused``); None when the DHT could not be read.
 
     One look has no history, so the state comes from the record's own ``updated`` time:
     online when at most ``stale_after_s`` old (by our clock), else stale.
@@ -170,7 +173,7 @@ def collect_rows(read: EntriesReader, *, attempts: int = 3, stale_after_s: float
         rows.append({**{k: r[k] for k in FIELDS}, "owner": e.owner, "age_s": round(age, 1),
                      "state": "online" if age <= stale_after_s else "stale"})
     rows.sort(key=lambda r: (r["state"] != "online", -r["outer_step"], r["name"], r["peer_id"]))
-    return rows
+    return rows, [e.refused for e in entries if e.refused]
 
 
 def _f(value: Any, digits: int = 3) -> str:
@@ -268,12 +271,13 @@ def status(
     except ValueError as e:
         raise fail(str(e))
     try:
-        rows = collect_rows(read, stale_after_s=stale_after)
+        looked = collect_rows(read, stale_after_s=stale_after)
     finally:
         close()
-    if rows is None:
+    if looked is None:
         raise fail("could not read the swarm's records from the DHT; check --initial-peers and try again")
-    totals = summarize(rows)
+    rows, refused = looked
+    totals = {**summarize(rows), "refused": len(refused)}
     if json_output:
         doc = {"run_id": run_id, "time": round(time.time(), 3), "summary": totals, "peers": rows}
         print(json.dumps(doc, indent=2, allow_nan=False))
@@ -289,6 +293,10 @@ def status(
         out.print(Text("warning: " + totals["lineage"]["warning"], style="yellow"), soft_wrap=True)
     for line in avoided_lines(totals):
         out.print(Text(line, style="yellow"), soft_wrap=True)
+    if refused:
+        out.print(Text(printable(f"refused {len(refused)} record{'s' if len(refused) != 1 else ''} of peers without a "
+                                 f"valid invitation to this private run ({refused[0]}{', …' if len(refused) > 1 else ''})"),
+                       style="yellow"), soft_wrap=True)
 
 
 def avoided_lines(totals: dict[str, Any]) -> list[str]:

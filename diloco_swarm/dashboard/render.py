@@ -80,6 +80,8 @@ def _totals(doc: dict[str, Any]) -> str:
         ("tokens-total", "Tokens trained", fmt_si(t["tokens_total"]), "by the listed peers"),
         ("lineages", "θ lineages", "–" if t["lineages"] is None else str(t["lineages"]), _lineage_note(t)),
     ]
+    if t.get("refused"):  # a private run: records of peers without a valid invitation, left out of everything
+        cards.append(("refused", "Refused peers", str(t["refused"]), "no valid invitation"))
     return '<section class="totals">' + "".join(
         f'<div class="card stat" id="total-{key}"><div class="k">{name}</div><div class="v">{value}</div>'
         f'<div class="s">{sub}</div></div>'

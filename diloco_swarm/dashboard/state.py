@@ -92,6 +92,7 @@ class SwarmState:
         self.last_poll: float | None = None
         self.last_poll_ok: bool | None = None
         self.polls = 0
+        self.refused: list[str] = []  # the last poll's records of a private run's uninvited peers: why each
         self._last_swarm_sample = 0.0
         self._lock = threading.RLock()
 
@@ -102,6 +103,9 @@ class SwarmState:
         with self._lock:
             self.last_poll, self.polls = now, self.polls + 1
             self.last_poll_ok = entries is not None
+            entries = None if entries is None else list(entries)
+            if entries is not None:
+                self.refused = [e.refused for e in entries if e.refused]
             for entry in entries or ():
                 self._see(entry, now)
             self._expire(now)
@@ -166,7 +170,7 @@ class SwarmState:
         return rows
 
     def totals(self, now: float | None = None) -> dict[str, Any]:
-        return summarize(self.peer_rows(now))
+        return {**summarize(self.peer_rows(now)), "refused": len(self.refused)}
 
     def snapshot(self, now: float | None = None, history: bool = True) -> dict[str, Any]:
         """The ``/api/v1/state`` document (see docs/dashboard.md)."""
@@ -186,7 +190,7 @@ class SwarmState:
                     "sample_s": self.sample_s,
                     "max_samples": self.max_samples,
                 },
-                "totals": summarize(peers),
+                "totals": {**summarize(peers), "refused": len(self.refused)},
                 "peers": peers,
             }
             if history:

@@ -38,7 +38,8 @@ class IdentityInUse(SwarmError):
     """Another running node publishes records of our peer id (same identity key: a copied state dir)."""
 
 
-def identity_in_use(dht, run_id: str, peer_id: str, *, wait_s: float, ours_until: float | None = None) -> bool:
+def identity_in_use(dht, run_id: str, peer_id: str, *, wait_s: float, ours_until: float | None = None,
+                    organiser: str | None = None) -> bool:
     """Whether another node publishes live records of ``peer_id`` now. Call it before publishing our own.
 
     A live record of our peer id alone proves nothing (ours, from a node that crashed less than
@@ -46,11 +47,12 @@ def identity_in_use(dht, run_id: str, peer_id: str, *, wait_s: float, ours_until
     somebody else is re-signing it. Records no newer than ``ours_until`` (the last ``updated`` this
     state dir's previous process published: :func:`last_published`) are that process's own: then no
     wait at all (a restart right after a crash). Reads the DHT once or twice (bounded calls); any read
-    error counts as "no".
+    error counts as "no". In a private run (``organiser``) only records whose pass is bound to their
+    owner count: a stranger's record that claims our peer id does not keep us from restarting.
     """
 
     def ours() -> dict[str, float] | None:
-        entries = read_peer_entries(dht, run_id)
+        entries = read_peer_entries(dht, run_id, organiser=organiser)
         if entries is None:
             return None
         return {e.owner: e.record.updated for e in entries if e.record is not None and e.record.peer_id == peer_id}
@@ -85,10 +87,12 @@ class PeerRecordPublisher:
         publisher thread, so it must be cheap and thread-safe (reading plain attributes is fine).
         Values are coerced and clamped by :func:`normalize_snapshot`; ``updated`` is always set
         to the time of publication.
+    :param organiser: ``RunSpec.organiser`` of a private run (:func:`identity_in_use`).
     """
 
     def __init__(self, dht, run_id: str, validators: list, snapshot: Callable[[], dict], interval_s: float = 5.0,
-                 updated_path: Path | None = None):
+                 updated_path: Path | None = None, organiser: str | None = None):
+        self.organiser = organiser
         self.updated_path = updated_path  # where each record's `updated` is noted before it is stored
         self.dht = dht
         self.run_id = run_id
@@ -123,7 +127,8 @@ class PeerRecordPublisher:
         if check_identity:
             peer_id = str(self.snapshot().get("peer_id", ""))
             if peer_id and identity_in_use(self.dht, self.run_id, peer_id, wait_s=self.interval_s + 2.0,
-                                           ours_until=last_published(self.updated_path, self.run_id)):
+                                           ours_until=last_published(self.updated_path, self.run_id),
+                                           organiser=self.organiser):
                 raise IdentityInUse(
                     f"another node with this node's identity (peer id {peer_id}) is online in run '{self.run_id}': it "
                     "keeps publishing this peer's record, and this node has not. Was this state dir copied? Give each "

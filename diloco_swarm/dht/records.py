@@ -30,6 +30,7 @@ import pydantic.v1 as pv1
 
 from diloco_swarm.dht.lineages import DIGEST_PATTERN, MAX_THETA_MARKS, marks_of
 from diloco_swarm.dht.calls import dht_get
+from diloco_swarm.invites import KEY_B64_LEN, MAX_PEER_ID_CHARS, SIG_B64_LEN, pass_problem
 from diloco_swarm.utils import clock
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ MAX_RECORDS = 1024  # a reader looks at most at this many subkeys
 
 # Bounds: generous for honest peers, small enough that a hostile record cannot hurt a reader.
 MAX_NAME = 64
-MAX_PEER_ID = 128
+MAX_PEER_ID = MAX_PEER_ID_CHARS  # (invites.py bounds the passes it checks by it)
 MAX_SHORT = 64
 MAX_COUNT = 10**18  # fits msgpack's uint64
 MAX_RATE = 1e12
@@ -73,6 +74,7 @@ class ThetaMark(pv1.BaseModel):
 
 
 PEER_ID_PATTERN = r"^[A-Za-z0-9]+$"
+B64_PATTERN = r"^[A-Za-z0-9_-]+$"
 
 
 class AvoidedPeer(pv1.BaseModel):
@@ -80,6 +82,20 @@ class AvoidedPeer(pv1.BaseModel):
 
     peer_id: pv1.constr(strict=True, min_length=1, max_length=MAX_PEER_ID, regex=PEER_ID_PATTERN)
     why: pv1.constr(strict=True, max_length=MAX_WHY)
+
+    class Config:
+        extra = pv1.Extra.forbid
+
+
+class AdmissionPass(pv1.BaseModel):
+    """In a private run, the invitation this peer joined with (invites.py): the organiser's ``grant`` over
+    the invitation ``key`` and its ``expires`` (unix s), and the invitation key's ``proof`` over our peer
+    id. Unpadded urlsafe base64; checked by :func:`~diloco_swarm.invites.pass_problem`."""
+
+    key: pv1.constr(strict=True, min_length=KEY_B64_LEN, max_length=KEY_B64_LEN, regex=B64_PATTERN)
+    expires: pv1.conint(strict=True, ge=0, le=MAX_COUNT)
+    grant: pv1.constr(strict=True, min_length=SIG_B64_LEN, max_length=SIG_B64_LEN, regex=B64_PATTERN)
+    proof: pv1.constr(strict=True, min_length=SIG_B64_LEN, max_length=SIG_B64_LEN, regex=B64_PATTERN)
 
     class Config:
         extra = pv1.Extra.forbid
@@ -142,6 +158,8 @@ class PeerRecord(pv1.BaseModel):
     # the peers this peer keeps out of its groups now (banned, or avoided for a while), newest last: as
     # of its last round with a group. Absent in older records
     avoided_peers: pv1.conlist(AvoidedPeer, max_items=MAX_AVOIDED) = []
+    # in a private run, the invitation that admits this peer (None in a public run)
+    admission: Optional[AdmissionPass] = None
 
     class Config:
         extra = pv1.Extra.forbid
@@ -169,8 +187,14 @@ _OPTIONAL_FLOAT_LIMITS = {"loss": MAX_LOSS, "eval_loss": MAX_LOSS}
 # ---------------------------------------------------------------------------------------------- owners
 def owner_fingerprint(owner: bytes | str) -> str:
     """A short, printable id of a record owner's public key (12 hex characters)."""
+    return owner_digest(owner)[:12]
+
+
+def owner_digest(owner: bytes | str) -> str:
+    """sha256 hex (64 characters) of a record's owner subkey: what a private run's pass is bound to
+    (invites.Invitation.admission_pass)."""
     raw = owner if isinstance(owner, bytes) else str(owner).encode()
-    return hashlib.sha256(raw).hexdigest()[:12]
+    return hashlib.sha256(raw).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------- records
@@ -202,6 +226,7 @@ def normalize_snapshot(snapshot: dict[str, Any], *, now: float | None = None) ->
     round_in_flight = snapshot.get("averaging_round")
     out["averaging_round"] = None if round_in_flight is None else _int(round_in_flight, MAX_COUNT)
     out["avoided_peers"] = avoided_of(snapshot.get("avoided_peers"))
+    out["admission"] = snapshot.get("admission")  # invites.Invitation.admission_pass(), or None
     if not out["updated"]:
         out["updated"] = float(clock.now() if now is None else now)
     PeerRecord.parse_obj(out)  # raises ValueError (pydantic's ValidationError) on a bad peer_id
@@ -252,14 +277,19 @@ class PeerEntry:
     owner: str  # owner_fingerprint() of the subkey
     record: PeerRecord | None
     expiration: float  # DHT time
+    # in a private run, why this record's peer is not admitted (its record is then dropped: None)
+    refused: str | None = None
 
 
-def peer_entries(run_id: str, items: Iterable[tuple[Any, Any, float]]) -> list[PeerEntry]:
+def peer_entries(run_id: str, items: Iterable[tuple[Any, Any, float]], *,
+                 organiser: str | None = None) -> list[PeerEntry]:
     """Parse ``(subkey, value, expiration)`` triples of the run's records key into entries.
 
     Shared by both readers (hivemind's DHT here, the light client in diloco_swarm/light), which
     hand over values already verified and stripped of their signatures. At most
-    :data:`MAX_RECORDS` items are read; malformed ones are skipped.
+    :data:`MAX_RECORDS` items are read; malformed ones are skipped. In a private run (``organiser``:
+    ``RunSpec.organiser``) a record whose peer shows no valid invitation (invites.pass_problem) is
+    kept only as a refusal: ``record`` None, ``refused`` saying why.
     """
     entries: list[PeerEntry] = []
     for i, (subkey, value, expiration) in enumerate(items):
@@ -268,14 +298,29 @@ def peer_entries(run_id: str, items: Iterable[tuple[Any, Any, float]]) -> list[P
             break
         try:
             record = None if value is None else PeerRecord.parse_obj(value)
+            why = (None if organiser is None or record is None
+                   else admission_problem(record, run_id, organiser, owner_digest(subkey)))
+            if why is not None:
+                entries.append(PeerEntry(owner_fingerprint(subkey), None, float(expiration), refused=why))
+                continue
             entries.append(PeerEntry(owner_fingerprint(subkey), record, float(expiration)))
         except Exception as e:  # pydantic errors, wrong shapes: never the reader's problem
             logger.debug(f"skipping a malformed peer record: {e!r}")
     return entries
 
 
-def read_peer_entries(dht, run_id: str, *, latest: bool = True) -> list[PeerEntry] | None:
-    """All subkeys of the run's records, tombstones included; invalid entries skipped.
+def admission_problem(record: PeerRecord, run_id: str, organiser: str, owner: str) -> str | None:
+    """Why ``record`` (under the subkey whose :func:`owner_digest` is ``owner``) does not admit its peer to
+    the private run (``organiser``: our spec's), or None."""
+    admission = None if record.admission is None else record.admission.dict()
+    why = pass_problem(admission, run_id=run_id, organiser=organiser, peer_id=record.peer_id, owner=owner,
+                       now=clock.now())
+    return None if why is None else f"peer {record.peer_id}: {why}"
+
+
+def read_peer_entries(dht, run_id: str, *, latest: bool = True, organiser: str | None = None) -> list[PeerEntry] | None:
+    """All subkeys of the run's records, tombstones and refusals (``organiser``: :func:`peer_entries`)
+    included; invalid entries skipped.
 
     :returns: None when the DHT could not be asked (shut down, timeout); an empty list when the key is absent.
     """
@@ -287,12 +332,13 @@ def read_peer_entries(dht, run_id: str, *, latest: bool = True) -> list[PeerEntr
     if found is None or not isinstance(getattr(found, "value", None), dict):
         return []
     return peer_entries(run_id, ((subkey, getattr(item, "value", None), getattr(item, "expiration_time", None))
-                                 for subkey, item in found.value.items()))
+                                 for subkey, item in found.value.items()), organiser=organiser)
 
 
-def read_peer_records(dht, run_id: str) -> dict[str, PeerRecord]:
-    """Live records of the run, ``{peer_id: PeerRecord}``; tombstones, malformed entries skipped, never raises."""
-    return live_records(read_peer_entries(dht, run_id) or [])
+def read_peer_records(dht, run_id: str, *, organiser: str | None = None) -> dict[str, PeerRecord]:
+    """Live records of the run, ``{peer_id: PeerRecord}``; tombstones, malformed entries and (``organiser``)
+    peers without a valid invitation skipped, never raises."""
+    return live_records(read_peer_entries(dht, run_id, organiser=organiser) or [])
 
 
 def live_records(entries: Iterable[PeerEntry]) -> dict[str, PeerRecord]:

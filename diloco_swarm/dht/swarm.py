@@ -27,7 +27,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from diloco_swarm.dht.errors import SwarmError  # noqa: F401  (re-exported: callers catch it from here)
 from diloco_swarm.dht.calls import DHT_CALL_TIMEOUT_S, dht_get, dht_run, dht_store, dht_visible_maddrs
-from diloco_swarm.spec import RunSpec, SpecMismatch
+from diloco_swarm.spec import RunSpec, SpecMismatch, parse_published_spec
 from diloco_swarm.utils import clock
 from diloco_swarm.utils import hivemind_fixes  # noqa: F401  (patches hivemind before any DHT forks)
 from diloco_swarm.utils.net import host_problem, port_problem
@@ -348,6 +348,24 @@ def _spec_differences(ours: RunSpec, published: Any) -> dict[str, tuple[object, 
     return {k: (mine.get(k), published.get(k)) for k in keys if mine.get(k) != published.get(k)}
 
 
+class PrivateRunMismatch(SpecMismatch):
+    """The run is private and we hold no invitation to it, or one of another organiser; or the run is public
+    and we came with an invitation (or as an organiser). One line, without the other fields' differences."""
+
+    def __init__(self, run_id: str, ours: str | None, published: object):
+        self.differences = {"organiser": (ours, published)}
+        if ours is None:
+            line = (f"run '{run_id}' is private: ask its organiser for an invitation (they run "
+                    "`diloco-node invite --state-dir DIR`) and join with --invite")
+        elif published is None:
+            line = (f"run '{run_id}' is a public run: join it without --invite (a private run of your own "
+                    "needs another --run-id)")
+        else:
+            line = (f"this invitation is for another organiser of run '{run_id}' than the one the swarm names: "
+                    "ask the run's organiser for an invitation, or choose another --run-id")
+        Exception.__init__(self, line)
+
+
 def ensure_run_spec(dht: DHT, spec: RunSpec, *, joining: bool, attempts: int = 10) -> bool:
     """Publish ``spec`` under ``{run_id}_spec``, or check it against the one already there.
 
@@ -355,6 +373,8 @@ def ensure_run_spec(dht: DHT, spec: RunSpec, *, joining: bool, attempts: int = 1
         concluding that the run is new.
 
     :returns: True when the run already had this spec, False when this peer published it first.
+    :raises PrivateRunMismatch: the published spec names another organiser (or none where we name one,
+        or the reverse): said alone, as the other fields' differences do not matter until it is settled.
     :raises SpecMismatch: the published spec differs (names the fields).
     :raises ChildUnavailable: the DHT process is gone or did not answer in time (dht/calls.py).
     """
@@ -363,6 +383,8 @@ def ensure_run_spec(dht: DHT, spec: RunSpec, *, joining: bool, attempts: int = 1
         found = dht_get(dht, key, latest=True)
         if found is not None:
             diffs = _spec_differences(spec, found.value)
+            if "organiser" in diffs:
+                raise PrivateRunMismatch(spec.run_id, *diffs["organiser"])
             if diffs:
                 raise SpecMismatch(spec.run_id, diffs)
             refresh_run_spec(dht, spec)
@@ -380,3 +402,14 @@ def refresh_run_spec(dht: DHT, spec: RunSpec) -> None:
     if found is not None and _spec_differences(spec, found.value):
         return
     dht_store(dht, f"{spec.run_id}_spec", spec.model_dump(), expiration_time=clock.now() + SPEC_TTL_S)
+
+
+def published_organiser(dht: DHT, run_id: str) -> str | None:
+    """``RunSpec.organiser`` of the spec published for ``run_id`` (None: a public run, no spec, or a
+    malformed one): what readers (``status``, the dashboard) check records against. Never raises."""
+    try:
+        found = dht_get(dht, f"{run_id}_spec", latest=True)
+    except Exception:
+        return None
+    spec = parse_published_spec(getattr(found, "value", None))
+    return None if spec is None else spec.organiser

@@ -17,6 +17,7 @@ import trio
 
 from diloco_swarm.dht.records import PeerEntry, peer_entries, records_key
 from diloco_swarm.light.client import CALL_TIMEOUT_S, LightClient, LightError, open_client, parse_peer_maddr
+from diloco_swarm.spec import parse_published_spec
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,10 @@ async def _read(initial_peers: list[str], run_id: str, budget_s: float, call_tim
         remaining = max(1.0, budget_s - (time.monotonic() - start))
         found = await client.get({rkey: True, skey: False}, up, budget_s=remaining, on_value=learn_addresses)
     records = found[rkey]
-    entries = peer_entries(run_id, ((subkey, value, exp) for subkey, (value, exp) in records.items.items()))
     spec = found[skey].value if isinstance(found[skey].value, dict) else None
+    published = parse_published_spec(spec)  # a private run: records without a valid invitation refused
+    entries = peer_entries(run_id, ((subkey, value, exp) for subkey, (value, exp) in records.items.items()),
+                           organiser=None if published is None else published.organiser)
     return SwarmView(entries, spec, sorted(records.asked), sorted(records.failed))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diloco_swarm.invites import Invitation
 from diloco_swarm.spec import RunSpec
 
 
@@ -46,3 +47,5 @@ class NodeConfig:
     name: str = ""
     eval_budget: float = 0.02  # evaluate after a round only while evaluation has cost < this share of wall time
     join_flags: list[str] = field(default_factory=list)  # run-spec flags a joiner must repeat (shown in the join line)
+    invitation: Invitation | None = None
+    private_files: tuple = ()  # (path, text) pairs to save in the state dir once it is ours (cli/private.py)  # a private run: what admits us (cli/private.py); None in a public run

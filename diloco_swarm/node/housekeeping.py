@@ -48,7 +48,7 @@ class Housekeeping:
         with contextlib.suppress(Exception):
             self.records.publish_now()
             refresh_run_spec(self.dht, self.spec)
-            records = read_peer_records(self.dht, self.spec.run_id)
+            records = read_peer_records(self.dht, self.spec.run_id, organiser=self.spec.organiser)
             self.stats.peers_seen = max(1, len(records))
             self.swarm.note(records)
             self.remember_peers(records)

@@ -45,6 +45,7 @@ class RoundParts:
 
     cfg: Any  # NodeConfig
     run_id: str
+    organiser: str | None  # RunSpec.organiser: a private run reads only its invited peers' records
     peer_id: str
     averager: Any  # PseudoGradientAverager
     dht: Any
@@ -264,7 +265,7 @@ class Round:
     def _read_records(self) -> dict[str, Any]:
         """The run's signed peer records (dht/records.py).
         :raises ChildUnavailable: the DHT did not answer in time (the round then fails)."""
-        return read_peer_records(self.p.dht, self.p.run_id)
+        return read_peer_records(self.p.dht, self.p.run_id, organiser=self.p.organiser)
 
     def _public_peer_online(self, records: dict[str, Any]) -> bool:
         """Whether a group can form for us: always for a full peer; a client needs a public peer

@@ -37,6 +37,7 @@ from diloco_swarm.node.config import NodeConfig
 from diloco_swarm.node.evaluation import Evaluation
 from diloco_swarm.node.errors import Diverged, NodeError  # noqa: F401  (re-exported: cli maps NodeError to exit 2)
 from diloco_swarm.node.housekeeping import Housekeeping
+from diloco_swarm.node.invitation import OurPass
 from diloco_swarm.node.global_state import GlobalState, ThetaHistory
 from diloco_swarm.node.mixing import ThetaMixer
 from diloco_swarm.node.outer_sync import Carried, Handoff, OuterSync, Preview, RoundOutcome
@@ -71,6 +72,7 @@ class Node(Startup):
         # (a round that has already ended is still applied: only one still running is dropped)
         self.stop.round_in_flight = lambda: self.sync is not None and self.sync.in_flight and not self.sync.done()
         self.stats = NodeStats()
+        self.our_pass = OurPass(config.invitation, self.status.log)
         self.dht = None
         self.averager = None
         self.lock = None
@@ -462,6 +464,7 @@ class Node(Startup):
             "outer_step": self.outer_step,
             "maddrs": [] if self.client_mode else self.maddrs,  # a client cannot be dialed
             **self.stats.peer_record(),
+            "admission": self.our_pass(self.peer_id),  # a private run's pass (node/invitation.py); None in a public one
         }
 
     def _status(self, force: bool = False, **live) -> None:

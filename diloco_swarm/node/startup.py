@@ -25,13 +25,15 @@ from diloco_swarm.averaging.reachability import check_reachability, transport_ad
 from diloco_swarm.averaging.state_sharing import state_donors
 from diloco_swarm.dht.calls import ChildUnavailable
 from diloco_swarm.dht.publisher import PeerRecordPublisher
-from diloco_swarm.dht.records import live_records, read_peer_entries
-from diloco_swarm.dht.signing import record_validators
+from diloco_swarm.dht.records import live_records, owner_digest, read_peer_entries, read_peer_records
+from diloco_swarm.dht.signing import record_validators, signature_validator
 from diloco_swarm.dht.swarm import (BootstrapFailed, InitialPeersAreUs, StateDirLock, SwarmError, ensure_run_spec,
                                     peer_ids_of, start_dht, visible_maddrs)
+from diloco_swarm.invites import ORGANISER_KEY_FILE
 from diloco_swarm.models import num_parameters
 from diloco_swarm.node.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, remove_stale_temp_files
 from diloco_swarm.node.dylu import PhasePlanner
+from diloco_swarm.node.invitation import save_private_files
 from diloco_swarm.node.errors import NodeError
 from diloco_swarm.node.global_state import GlobalState, theta_digest
 from diloco_swarm.node.assets import build_run_assets
@@ -82,6 +84,19 @@ def pick_device(name: str) -> torch.device:
     if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise NodeError("--device mps: Apple MPS is not available here; use --device cpu or auto")
     return torch.device(name)
+
+
+def _organiser_mismatch(state_dir: Path, run_id: object, theirs: object, ours: str | None) -> str:
+    """The line for a checkpoint of a public run started as a private one, or the reverse, or of another
+    organiser's run (``theirs``, ``ours``: the specs' organiser keys)."""
+    if theirs is None:
+        return (f"state dir {state_dir} holds a checkpoint of the public run '{run_id}': a private run needs a "
+                "state dir of its own; give another --state-dir")
+    if ours is None:
+        return (f"state dir {state_dir} holds a checkpoint of the private run '{run_id}': join it with --invite "
+                "(its organiser: with the state dir that holds organiser.key), or give another --state-dir")
+    return (f"state dir {state_dir} holds a checkpoint of run '{run_id}' of another organiser than this "
+            "invitation's; give another --state-dir")
 
 
 class Startup:
@@ -161,12 +176,16 @@ class Startup:
         checkpoint = load_checkpoint(checkpoint_path(cfg.state_dir))
         if checkpoint is not None and checkpoint.get("spec") != spec.model_dump():
             theirs = checkpoint.get("spec") or {}
+            if theirs.get("organiser") != spec.organiser:  # public vs private, or another organiser's run
+                raise NodeError(_organiser_mismatch(cfg.state_dir, theirs.get("run_id"), theirs.get("organiser"),
+                                                    spec.organiser))
             diffs = ", ".join(k for k in spec.model_dump() if spec.model_dump()[k] != theirs.get(k))
             raise NodeError(
                 f"state dir {cfg.state_dir} holds a checkpoint of a different run spec (differs in: {diffs}); "
                 "use another --state-dir, or the flags of that run"
             )
 
+        save_private_files(cfg.private_files)  # our invitation, the organiser's run: now that the state dir is ours
         # the checkpoint is read again once the child processes run: a mapping of the file made now would be
         # inherited by them for their lifetime, keeping the file's blocks on disk after it is replaced
         resuming, checkpoint = checkpoint is not None, None
@@ -184,6 +203,7 @@ class Startup:
         self.round_deadline_s = 2 * cfg.averaging_window + cfg.allreduce_timeout + DIGEST_WAIT_S + ROUND_MARGIN_S
 
         validators = record_validators(spec.run_id, cfg.state_dir)
+        self.our_pass.owner = owner_digest(signature_validator(validators).local_public_key)
         # --port 0: our last run's port when it is free, so the addresses other peers keep for us stay valid
         dht_args = dict(host=cfg.host, port=cfg.port or previous_port(cfg.state_dir, cfg.host), announce=cfg.announce,
                         identity_path=cfg.state_dir / "identity.key", record_validators=validators)
@@ -217,6 +237,7 @@ class Startup:
             max_norm_ratio=cfg.max_norm_ratio,
             client_mode=self.client_mode,
             state_provider=self._state_for_donation,
+            organiser=spec.organiser,
         )
         phase("averager")
         checkpoint = load_checkpoint(checkpoint_path(cfg.state_dir)) if resuming else None
@@ -228,7 +249,7 @@ class Startup:
         addrs = self.maddrs = visible_maddrs(self.dht)
         save_port(cfg.state_dir, addrs)  # (a client has none: nobody dials it)
         self.records = PeerRecordPublisher(self.dht, spec.run_id, validators, self._record_snapshot, interval_s=5.0,
-                                           updated_path=cfg.state_dir / "record.updated")
+                                           updated_path=cfg.state_dir / "record.updated", organiser=spec.organiser)
         self.records.start()
         self.swarm.me = self.peer_id
         self.housekeeping.start(spec, self.dht, self.records, self._remember_peers)
@@ -240,7 +261,7 @@ class Startup:
         self.mixer = ThetaMixer(self.state, averager=self.averager, peer_id=self.peer_id, stats=self.stats,
                                 supported_step=lambda: self.state_sync.evidence().supported_step, log=self.status.log)
         self.round = Round(RoundParts(
-            cfg=cfg, run_id=spec.run_id, peer_id=self.peer_id, averager=self.averager, dht=self.dht,
+            cfg=cfg, run_id=spec.run_id, organiser=spec.organiser, peer_id=self.peer_id, averager=self.averager, dht=self.dht,
             records=self.records, stats=self.stats, log=self.status.log, housekeeping=self.housekeeping, swarm=self.swarm, history=self.history,
             history_floor=self._history_floor, stop=self.stop.event, overlap=self.sync.overlap,
             client_mode=self.client_mode, metadata=self._round_metadata, catch_up=self.state_sync.catch_up,
@@ -261,8 +282,12 @@ class Startup:
             peers = " ".join(f"--initial-peers {a}" for a in addrs) or "--initial-peers <this node's multiaddr>"
             # a node listening on loopback only (--host 127.0.0.1, the demo) is reachable from this machine alone
             where = "this machine" if addrs and all(_is_loopback(a) for a in addrs) else "another machine"
-            self.status.log("to join from {}: diloco-node join --run-id {} {}{}".format(  # one flag per address: pastes as is
-                where, spec.run_id, "".join(f"{f} " for f in cfg.join_flags), peers))
+            invite = "--invite INVITATION_FILE " if spec.organiser else ""
+            self.status.log("to join from {}: diloco-node join --run-id {} {}{}{}".format(  # one flag per address: pastes as is
+                where, spec.run_id, invite, "".join(f"{f} " for f in cfg.join_flags), peers))
+        if spec.organiser and (cfg.state_dir / ORGANISER_KEY_FILE).exists():
+            self.status.log(f"private run: only invited peers take part; make one invitation per volunteer with "
+                            f"`diloco-node invite --state-dir {cfg.state_dir} > INVITATION_FILE`")
         self.metrics.write(
             {
                 "event": "start",
@@ -376,8 +401,11 @@ class Startup:
         maddrs = transport_addrs(visible_maddrs(self.dht))
         of_this_run = [p for p in state_donors(self.dht, self.spec.run_id) if p != self.peer_id]
         candidates = of_this_run + [p for p in peer_ids_of(cfg.initial_peers) if p not in of_this_run and p != self.peer_id]
+        if self.spec.organiser is not None:  # a private run: only invited peers judge whether we are reachable
+            invited = read_peer_records(self.dht, self.spec.run_id, organiser=self.spec.organiser)
+            of_this_run, candidates = [p for p in of_this_run if p in invited], [p for p in candidates if p in invited]
         verdict = check_reachability(self.dht, averager_module.PseudoGradientAverager, self.spec.run_id, candidates,
-                                     maddrs, stop=self.stop.event)
+                                     maddrs, stop=self.stop.event, admission=self.our_pass.shown(self.peer_id))
         self.metrics.write({"event": "reachability", "peer_id": self.peer_id, "reachable": verdict.reachable,
                             "responder": verdict.responder, "reason": verdict.reason, "maddrs": maddrs})
         if verdict.reachable is True:
@@ -438,7 +466,7 @@ class Startup:
         self.status.log(f"waiting for {want} peers (at most {self.cfg.wait_for_peers_timeout:.0f}s)")
         said, live = None, 1
         while not self.stop.requested:
-            entries = read_peer_entries(self.dht, self.spec.run_id)
+            entries = read_peer_entries(self.dht, self.spec.run_id, organiser=self.spec.organiser)
             if entries is not None:  # (None: the DHT did not answer this read; the count stands)
                 records = live_records(entries)
                 counted = self._live_peers(records)

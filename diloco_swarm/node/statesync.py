@@ -132,8 +132,8 @@ class StateSync:
 
     def evidence(self) -> Evidence:
         """:func:`gather_evidence` from a fresh read of the swarm's signed records."""
-        return gather_evidence(read_peer_entries(self.dht, self.spec.run_id), self.peer_id, self.state.step,
-                               self.state.marks.copy())
+        entries = read_peer_entries(self.dht, self.spec.run_id, organiser=self.spec.organiser)
+        return gather_evidence(entries, self.peer_id, self.state.step, self.state.marks.copy())
 
 
 
@@ -222,7 +222,7 @@ class StateSync:
         unanswered_since: dict[str, float] = {}  # silent peer -> when its first probe of a failing run ended
         unread_since: float | None = None  # when the first DHT read of a failing run ended
         while not self.stop.requested and time.monotonic() < deadline:
-            entries = read_peer_entries(self.dht, self.spec.run_id)
+            entries = read_peer_entries(self.dht, self.spec.run_id, organiser=self.spec.organiser)
             if entries is None:  # the DHT did not answer: for long, nobody can find us either
                 unread_since = time.monotonic() if unread_since is None else unread_since
                 if time.monotonic() - unread_since >= LINGER_GONE_AFTER_S:
