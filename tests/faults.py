@@ -53,6 +53,9 @@ Every ``--fault`` adds one fault (any number; none: an honest node); the other a
 # the node (diloco_swarm.node.runner.Node, imported there at call time); a faulty node puts its
 # faulty averager class where the node's start-up looks it up (diloco_swarm.averaging.averager.
 # PseudoGradientAverager). One node per process, so replacing them there affects nothing else.
+# A faulty averager class lives in this script's __main__, which the DHT process cannot unpickle: a node
+# with an averager fault gets an inconclusive reachability check (serving as a full peer), so tests that
+# check reachability give averager faults only to nodes started with --public.
 
 from __future__ import annotations
 
