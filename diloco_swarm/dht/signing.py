@@ -20,6 +20,7 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
 
 from diloco_swarm.dht.records import PeerRecordsSchema
+from diloco_swarm.invites import write_private
 
 logger = logging.getLogger(__name__)
 
@@ -46,16 +47,8 @@ def record_key(state_dir: Path | None) -> RSAPrivateKey:
         except Exception as e:  # a corrupt key file: keep it for inspection, make a new identity
             logger.warning(f"record key {path} is unreadable ({e}); moving it to {path}.bad and creating a new one")
             os.replace(path, path.with_name(path.name + ".bad"))
-    path.parent.mkdir(parents=True, exist_ok=True)
     key = RSAPrivateKey()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, key.to_bytes())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_private(path, key.to_bytes())
     return key
 
 
