@@ -60,6 +60,18 @@ def test_one_member_claiming_to_be_far_ahead_gains_no_weight_or_step():
     assert plan_mix({"A": meta(5, D["a"]), "B": meta(5, D["a"]), "L": meta(1005, D["a"], (5, D["a"]))}) is None
 
 
+def test_a_restarted_lineage_mixes_as_where_it_stands_and_the_mix_keeps_the_least_debt():
+    # B restarted from θ_0 owing 8 outer steps (restarted_below): at outer step 12 it stands at 4, behind A
+    restarted = {**meta(12, D["b"], (0, D["f"])), "restarted_below": 8}
+    plan = plan_mix({"A": meta(8, D["a"], (0, D["f"])), "B": restarted})
+    assert plan.weights == {"A": 1.0, "B": 0.0} and plan.outer_step == 9 and plan.restarted_below == 0
+    # past A's step by more than its debt, it leads, and the mixed state keeps its debt
+    ahead = plan_mix({"A": meta(8, D["a"], (0, D["f"])), "B": {**restarted, "outer_step": 17}})
+    assert ahead.weights == {"A": 0.0, "B": 1.0} and ahead.outer_step == 18 and ahead.restarted_below == 8
+    for bad in (-1, True, "8", 2 ** 60):
+        assert plan_mix({"A": meta(8, D["a"], (0, D["f"])), "B": {**restarted, "restarted_below": bad}}) is None
+
+
 @pytest.mark.parametrize("bad", [
     None, [], {"outer_step": 5}, meta(-1, D["a"]), meta(True, D["a"]), meta(5, "ZZ" * 8), meta(5, D["a"][:15]),
     {**meta(5, D["a"]), "marks": "(4, x)"}, meta(5, D["a"], (4,)), meta(5, D["a"], (4, D["b"], 1)),

@@ -6,18 +6,25 @@ stay on separate lineages."""
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import deque
 from types import SimpleNamespace
 
-from diloco_swarm.node.canonical import canonical_state, gather_evidence
+import torch
+
+from diloco_swarm.node.canonical import Evidence, canonical_state, gather_evidence
+from diloco_swarm.node.global_state import GlobalState, ThetaHistory
+from diloco_swarm.node.outer import OuterOptimizer
+from diloco_swarm.node.statesync import DownloadedState, StateSync
 
 
 def d(label: str) -> str:
     return hashlib.sha256(label.encode()).hexdigest()[:16]
 
 
-def record(peer: str, step: int, marks: list[tuple[int, str]], reachability: str = "public"):
+def record(peer: str, step: int, marks: list[tuple[int, str]], reachability: str = "public", restarted_below: int = 0):
     """A verified record entry as ``read_peer_entries`` returns it (owner key = the peer's name)."""
-    rec = SimpleNamespace(peer_id=peer, outer_step=step, reachability=reachability,
+    rec = SimpleNamespace(peer_id=peer, outer_step=step, reachability=reachability, restarted_below=restarted_below,
                           theta_marks=[SimpleNamespace(step=s, digest=g) for s, g in marks])
     return SimpleNamespace(owner=f"key-{peer}", record=rec)
 
@@ -61,6 +68,24 @@ def test_two_lineages_at_one_step_resolve_the_same_way_for_every_member():
     states = {"a": (20, d("p")), "b": (20, d("p")), "c": (20, d("q")), "e": (20, d("q"))}
     marks = {p: [(19, d("r")), s] for p, s in states.items()}
     assert len(set(choices(states, marks).values())) == 1
+
+
+def test_a_restarted_lineage_stands_behind_the_state_it_could_not_download_until_it_passes_it():
+    # b's join could not download a's state at outer step 8 (a asleep): b trained from θ_0 owing 8 steps
+    # (restarted_below). At outer step 12 it stands at 4: a, woken at 8, keeps its state, and so does
+    # every member's choice; past 16 b's lineage stands further and wins, as any newer state does
+    for b_step, winner in ((12, "a"), (17, "b")):
+        states = {"a": (8, d("a")), "b": (b_step, d("b"))}
+        marks = {"a": [(8, d("a"))], "b": [(b_step, d("b"))]}
+        entries = [record("a", 8, marks["a"]), record("b", b_step, marks["b"], restarted_below=8)]
+        stands = {"a": 8, "b": b_step - 8}
+        chosen = {me: canonical_state(states, me, gather_evidence(entries, me, stands[me], marks[me]), set(states),
+                                      can_donate=True, restarts={"b": 8})
+                  for me in states}
+        assert set(chosen.values()) == {states[winner]}, (b_step, chosen)
+        # the records back b's standing, not its outer step: a never catches up to b at 12; b catches up to a
+        assert gather_evidence(entries, "a", 8, marks["a"]).supported_step == b_step - 8
+        assert gather_evidence(entries, "b", b_step - 8, marks["b"]).supported_step == 8
 
 
 def test_a_state_only_a_client_holds_is_not_canonical():
@@ -143,7 +168,7 @@ def _finisher(monkeypatch, reads: list[dict[str, str]], first_choice: list[str])
         view = seen[-1]
         marks = {p: v if isinstance(v, tuple) else (10, v) for p, v in view.items()}
         return [SimpleNamespace(owner=f"key-{p}", record=SimpleNamespace(
-            peer_id=p, outer_step=step, updated=1.0, reachability="public",
+            peer_id=p, outer_step=step, updated=1.0, reachability="public", restarted_below=0,
             theta_marks=[SimpleNamespace(step=step, digest=g)])) for p, (step, g) in marks.items()]
 
     monkeypatch.setattr(statesync_mod, "read_peer_entries", lambda dht, run_id, organiser=None: entries())
@@ -153,7 +178,7 @@ def _finisher(monkeypatch, reads: list[dict[str, str]], first_choice: list[str])
     p = StateSync.__new__(StateSync)
     held, downloads = ["X"], []
     p.client_mode, p.peer_id = False, "me"
-    p.state = SimpleNamespace(step=10, digest=lambda: held[0], marks=deque())
+    p.state = SimpleNamespace(step=10, restarted_below=0, standing=10, digest=lambda: held[0], marks=deque())
     p.swarm = SwarmView(me="me")
     p.stop = SimpleNamespace(requested=False, event=SimpleNamespace(wait=lambda s: clock.__setitem__(0, clock[0] + s)))
     p.stats = SimpleNamespace(phase_eta=1.0)
@@ -186,3 +211,29 @@ def test_two_finishers_that_swapped_states_do_not_swap_back(monkeypatch):
     p, held, downloads = _finisher(monkeypatch, [{"a": "Y"}, {"a": "X"}], first_choice=["a"])
     p.end_on_one_model()
     assert downloads == [["a"]] and held == ["Y"]  # 1 of 2 is no majority: it leaves on Y, as before
+
+
+def test_a_joiner_whose_download_failed_owes_the_steps_it_could_not_download_and_an_adopted_state_clears_it():
+    lines = []
+    p = StateSync.__new__(StateSync)
+    p.cfg, p.stop, p.log = SimpleNamespace(initial_peers=["x"]), SimpleNamespace(requested=False), lines.append
+    p.averager = SimpleNamespace(donors=lambda: {"x": 8.0})
+    p.evidence = lambda: Evidence(supported_step=8, holders_by_step={8: {"x"}})
+    p.download_and_adopt = lambda **kw: False  # the donor fell asleep mid-download
+    p.state = SimpleNamespace(step=0, restarted_below=0, standing=0)
+    p.join()
+    assert p.state.restarted_below == 8 and "on a new lineage that owes the 8 outer steps" in lines[-1], lines
+    # a restarted node, its checkpoint on the swarm's lineage at outer step 3, owes the 5 after it
+    p.state = SimpleNamespace(step=3, restarted_below=0, standing=3)
+    p.join()
+    assert p.state.restarted_below == 5, lines
+    # adopting a state takes its debt: the donor's metadata, 0 when absent
+    state = GlobalState(OuterOptimizer([torch.zeros(3)]), lock=threading.Lock(), history=ThetaHistory(), marks=deque())
+    state.restarted_below = 8
+    p.state, p.params = state, [torch.zeros(3)]
+    p.stats = SimpleNamespace(state_syncs=0, sync_s=0.0)
+    p.metrics, p.peer_id = SimpleNamespace(write=lambda r: None), "me"
+    new = [torch.ones(3), torch.zeros(3)]
+    p.adopt(DownloadedState(donor="x", meta={"outer_step": 9, "theta_digest": state.digest()}, tensors=new,
+                            received=24, seconds=0.1, reason="lagging"))
+    assert (state.step, state.restarted_below, state.standing) == (9, 0, 9)

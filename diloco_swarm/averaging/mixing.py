@@ -39,6 +39,23 @@ _DIGEST = re.compile(r"[0-9a-f]{16}")
 State = tuple[int, str]  # (outer step, θ_global digest)
 
 
+def standing(outer_step: int, restarted_below: int = 0) -> int:
+    """Where a θ_global stands when the swarm chooses between lineages: its outer step, less the
+    outer steps its lineage owes (``restarted_below``: the steps a joiner could not download, the
+    swarm's standing less its own, when its download failed and it trained on alone; 0 for a lineage
+    that never restarted). A lineage that restarted from θ_0 owing N steps replaces the one it could
+    not download (then at N) only once it stands further, past outer step 2N: outer step alone cannot
+    tell a restart from progress (docs/architecture.md, rule 59). May be negative."""
+    return outer_step - restarted_below
+
+
+def restart_of(meta: Any) -> int | None:
+    """A member's ``restarted_below`` from its gathered metadata or state-download metadata
+    (untrusted; absent means 0), or None when malformed."""
+    value = meta.get("restarted_below", 0) if isinstance(meta, dict) else None
+    return value if is_count(value, 0, (1 << 53) - 1) else None
+
+
 @dataclass(frozen=True)
 class MixPlan:
     """How one group mixes θ_global after its verified round.
@@ -46,12 +63,14 @@ class MixPlan:
     ``reference``: the (outer step, digest) of the θ_global every member holds, the origin of the
     differences. ``weights``: peer id -> 1.0 for the members at the round's outer step, 0.0 for
     those behind it (they receive the mixed state but do not pull the others back).
-    ``outer_step``: every member's outer step after the mix.
+    ``outer_step``: every member's outer step after the mix; ``restarted_below``: the mixed state's
+    lineage debt (:func:`standing`), the least of the weighted members'.
     """
 
     reference: State
     weights: dict[str, float]
     outer_step: int
+    restarted_below: int = 0
 
 
 def mixing_group_id(group_id: bytes) -> bytes:
@@ -88,8 +107,8 @@ def _valid_state(step: Any, digest: Any) -> bool:
 def plan_mix(gathered: Mapping[str, Any]) -> MixPlan | None:
     """Whether a group whose Δ round verified mixes θ_global, and how (a :class:`MixPlan`), or None.
 
-    - ``S``, the round's outer step, is the newest start step that half the members (rounded up)
-      have reached. Members at ``S`` or later weigh 1; those behind weigh 0 (a late peer catches up
+    - ``S``, the round's standing (:func:`standing`: the outer step, unless a lineage restarted), is
+      the newest start standing that half the members (rounded up) have reached. Members at ``S`` or later weigh 1; those behind weigh 0 (a late peer catches up
       without pulling the others back). In a group of three or more, one member claiming to be far
       ahead cannot give itself the only weight; in a pair the member ahead leads the mix, as bounded
       (``allreduce.MixingAllReduceRunner``) as its Δ already was in the round.
@@ -103,16 +122,17 @@ def plan_mix(gathered: Mapping[str, Any]) -> MixPlan | None:
     :param gathered: peer id -> that member's gathered metadata (``outer_step``, ``theta_digest``,
         ``marks``: further [step, digest] pairs it holds), every member of the round included.
     """
-    members = {}
+    members, stands, restarts = {}, {}, {}
     for peer, meta in gathered.items():
-        parsed = states_of(meta)
-        if parsed is None:
+        parsed, restart = states_of(meta), restart_of(meta)
+        if parsed is None or restart is None:
             return None
-        members[str(peer)] = parsed
+        members[str(peer)], restarts[str(peer)] = parsed, restart
+        stands[str(peer)] = standing(parsed[0][0], restart)
     if len(members) < 2:
         return None
-    step = round_step(start[0] for start, _ in members.values())
-    current = {p for p, (start, _) in members.items() if start[0] >= step}
+    step = round_step(stands.values())
+    current = {p for p in members if stands[p] >= step}
     lineages = {members[p][0][1] for p in current}  # digests: one θ_global claimed at two steps is one
     behind = len(members) - len(current)
     if len(lineages) == 1 and not _mix_is_cheaper(behind, len(members)):
@@ -121,8 +141,9 @@ def plan_mix(gathered: Mapping[str, Any]) -> MixPlan | None:
     if not common:
         return None
     reference = max(common)
+    debt = min(restarts[p] for p in current)
     return MixPlan(reference=reference, weights={p: float(p in current) for p in sorted(members)},
-                   outer_step=step + 1)
+                   outer_step=step + 1 + debt, restarted_below=debt)
 
 
 def round_step(start_steps: Iterable[int]) -> int:

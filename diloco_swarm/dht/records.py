@@ -160,6 +160,8 @@ class PeerRecord(pv1.BaseModel):
     avoided_peers: pv1.conlist(AvoidedPeer, max_items=MAX_AVOIDED) = []
     # in a private run, the invitation that admits this peer (None in a public run)
     admission: Optional[AdmissionPass] = None
+    # the outer steps θ_global's lineage owes for a restart from θ_0 (averaging/mixing.py: standing)
+    restarted_below: pv1.conint(strict=True, ge=0, le=MAX_COUNT) = 0
 
     class Config:
         extra = pv1.Extra.forbid
@@ -177,7 +179,8 @@ class PeerRecordsSchema(pv1.BaseModel):
 FIELDS: tuple[str, ...] = tuple(PeerRecord.__fields__)
 _STR_LIMITS = {"peer_id": MAX_PEER_ID, "name": MAX_NAME, "version": MAX_SHORT, "device": MAX_SHORT,
                "precision": MAX_SHORT}
-_INT_LIMITS = {"outer_step": MAX_COUNT, "tokens_total": MAX_COUNT, "bytes_sent": MAX_COUNT,
+_INT_LIMITS = {"outer_step": MAX_COUNT, "restarted_below": MAX_COUNT, "tokens_total": MAX_COUNT,
+               "bytes_sent": MAX_COUNT,
                "bytes_received": MAX_COUNT, "last_round_group_size": MAX_GROUP, "failed_rounds": MAX_COUNT}
 _FLOAT_LIMITS = {"tokens_per_s": MAX_RATE, "last_round_s": MAX_SECONDS, "goodput": 1.0, "uptime_s": MAX_SECONDS,
                  "updated": MAX_TIME, "inner_step_s": MAX_SECONDS, "phase_eta": MAX_TIME}

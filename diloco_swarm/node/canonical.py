@@ -12,9 +12,9 @@ from __future__ import annotations
 import random
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Container
+from typing import Container, Mapping
 
-from diloco_swarm.averaging.mixing import round_step
+from diloco_swarm.averaging.mixing import round_step, standing
 from diloco_swarm.dht.lineages import marks_of
 
 EVIDENCE_QUORUM = 2  # distinct signing keys whose records must back a claim before a peer acts on it
@@ -24,10 +24,12 @@ EVIDENCE_QUORUM = 2  # distinct signing keys whose records must back a claim bef
 class Evidence:
     """What the swarm's signed records back, as one node sees it.
 
-    ``supported_step``: the newest outer step that at least :data:`EVIDENCE_QUORUM` distinct record
-    owners (signing keys) have reached, or all of them when fewer are online: one peer claiming
-    to be far ahead does not move it. ``vouched``: the (outer step, θ digest) pairs that as many
-    owners hold in their θ marks, this node included, with the peer ids of the other holders.
+    ``supported_step``: the newest standing (``mixing.standing``: a record's outer step, less its
+    lineage's restart debt; the outer step itself unless a lineage restarted) that at least
+    :data:`EVIDENCE_QUORUM` distinct record owners (signing keys) have reached, or all of them when
+    fewer are online: one peer claiming to be far ahead does not move it. ``vouched``: the (outer
+    step, θ digest) pairs that as many owners hold in their θ marks, this node included, with the
+    peer ids of the other holders. ``holders_by_step``: peer ids by their record's standing.
     """
 
     supported_step: int = 0
@@ -35,13 +37,13 @@ class Evidence:
     holders_by_step: dict[int, set[str]] = field(default_factory=dict)  # peer ids whose record is at a step
     clients: set[str] = field(default_factory=set)  # peer ids whose records say client: they donate no state
 
-    def accepts(self, step: int, digest: str) -> str | None:
-        """Why a state (outer step, θ digest) may not be adopted, or None.
+    def accepts(self, step: int, digest: str, restarted_below: int = 0) -> str | None:
+        """Why a state (outer step, θ digest, its lineage's restart debt) may not be adopted, or None.
 
-        It must not be ahead of the supported step, and when other peers vouch for a digest at
-        that step it must be one of them.
+        Its standing must not be ahead of the supported one, and when other peers vouch for a
+        digest at its outer step it must be one of them.
         """
-        if step > self.supported_step:
+        if standing(step, restarted_below) > self.supported_step:
             return f"its outer step {step} is ahead of what other peers' signed records back ({self.supported_step})"
         at_step = {d for (s, d) in self.vouched if s == step}
         if at_step and digest not in at_step:
@@ -60,7 +62,8 @@ class Evidence:
 
 def gather_evidence(entries, me: str, my_step: int = 0, my_marks=()) -> Evidence:
     """:class:`Evidence` from ``dht.records.read_peer_entries`` output (verified, signed records),
-    seen by peer ``me`` at outer step ``my_step`` with θ marks ``my_marks`` ((step, digest) pairs).
+    seen by peer ``me`` at standing ``my_step`` (its outer step unless its lineage restarted) with
+    θ marks ``my_marks`` ((step, digest) pairs).
 
     Our own step backs claims up to it, and our own marks vouch with one other owner's: we trust
     our own state. Counting ourselves also makes every member of a round rank the same states the
@@ -78,10 +81,11 @@ def gather_evidence(entries, me: str, my_step: int = 0, my_marks=()) -> Evidence
         record = entry.record
         if record is None or record.peer_id == me:
             continue
-        steps[entry.owner] = max(steps.get(entry.owner, 0), record.outer_step)
+        stands = standing(record.outer_step, record.restarted_below)
+        steps[entry.owner] = max(steps.get(entry.owner, stands), stands)
         if record.reachability == "client":
             evidence.clients.add(record.peer_id)
-        evidence.holders_by_step.setdefault(record.outer_step, set()).add(record.peer_id)
+        evidence.holders_by_step.setdefault(stands, set()).add(record.peer_id)
         for step, digest in marks_of([(m.step, m.digest) for m in record.theta_marks]).items():
             claims.setdefault((step, digest), {})[entry.owner] = record.peer_id
     quorum = min(EVIDENCE_QUORUM, max(1, len(steps)))
@@ -106,23 +110,28 @@ def majority_holders(others: dict[str, str], same: int) -> list[str]:
 
 
 def canonical_state(entries: dict[str, tuple[int, str]], me: str, evidence: Evidence, donors: Container[str],
-                    can_donate: bool) -> tuple[int, str]:
+                    can_donate: bool, restarts: Mapping[str, int] | None = None) -> tuple[int, str]:
     """The (outer step, θ digest) the members of a round should all hold, as member ``me`` sees it.
 
     ``entries``: peer id -> the state it started the round from (the round's gathered metadata, the
-    same for every member). A candidate is no newer than the round's step (``mixing.round_step``: the
-    newest step half the members reached), is backed by the swarm's signed records (``evidence``) and
-    can be donated by its holder (``donors``; ours when ``can_donate``: a client cannot serve it).
-    The newest candidate wins, then a vouched one, then the one most members hold, then digest order;
-    with no candidate, every state is one.
+    same for every member); ``restarts``: peer id -> its lineage's restart debt (absent: 0), from the
+    same metadata. States are compared by standing (``mixing.standing``: the outer step, unless a
+    lineage restarted). A candidate stands no further than the round (``mixing.round_step``: the
+    newest standing half the members reached), is backed by the swarm's signed records
+    (``evidence``) and can be donated by its holder (``donors``; ours when ``can_donate``: a client
+    cannot serve it). The candidate standing furthest wins, then a vouched one, then the one most
+    members hold, then digest order; with no candidate, every state is one.
 
     The step cap is what keeps the members agreeing: each member always trusts its own state, so a
     member alone ahead of the others (it applied a round alone) would keep choosing its own state
     while the others, whose records do not back its step, chose theirs, and every later round would
     verify while leaving them on separate lineages (seen in the chaos test: 600 "ok" rounds of 4).
     """
-    cap = round_step(step for step, _ in entries.values())
-    eligible = {e for p, e in entries.items() if e[0] <= cap and (
-        (p in donors and evidence.accepts(*e) is None) or (p == me and can_donate))}
+    restarts = restarts or {}
+    stands = {p: standing(e[0], restarts.get(p, 0)) for p, e in entries.items()}
+    stand_of = {e: min(stands[p] for p, held in entries.items() if held == e) for e in entries.values()}
+    cap = round_step(stands.values())
+    eligible = {e for p, e in entries.items() if stand_of[e] <= cap and (
+        (p in donors and evidence.accepts(*e, e[0] - stand_of[e]) is None) or (p == me and can_donate))}
     votes = Counter(e for e in entries.values() if e in eligible or not eligible)
-    return max(votes, key=lambda e: (e[0], e in evidence.vouched, votes[e], e[1]))
+    return max(votes, key=lambda e: (stand_of[e], e in evidence.vouched, votes[e], e[1]))

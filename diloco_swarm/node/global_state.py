@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from diloco_swarm.averaging.donation import StateSeal
-from diloco_swarm.averaging.mixing import MAX_MARKS
+from diloco_swarm.averaging.mixing import MAX_MARKS, standing
 from diloco_swarm.averaging.results import tensors_digest
 from diloco_swarm.node.outer import OuterOptimizer
 
@@ -101,11 +101,19 @@ class GlobalState:
         self.outer, self.lock, self.history, self.marks = outer, lock, history, marks
         self.averager, self.log = averager, log
         self.step = step  # the outer step θ_global is at
+        # the outer steps its lineage owes for a restart from θ_0 (averaging/mixing.py: standing): set
+        # when our join's download failed, taken with every adopted state, kept by our own outer steps
+        self.restarted_below = 0
         self._digest_cache: tuple[int, str] | None = None  # (θ_global's write generation, digest)
 
     @property
     def theta(self) -> list[torch.Tensor]:
         return self.outer.theta
+
+    @property
+    def standing(self) -> int:
+        """Where θ_global stands among lineages (``mixing.standing``): the outer step, less the debt."""
+        return standing(self.step, self.restarted_below)
 
     def digest(self) -> str:
         """Digest of θ_global, computed once per change (sha256 over every parameter is not free);
@@ -129,7 +137,8 @@ class GlobalState:
         to write them (:meth:`writing`, averaging/donation.py)."""
         with self.lock:
             seal = StateSeal(self.outer.generation, int(self.outer.generation.item()))
-            meta = {"outer_step": self.step, "spec_hash": spec_hash, "theta_digest": self.digest(), "peer_id": peer_id}
+            meta = {"outer_step": self.step, "restarted_below": self.restarted_below, "spec_hash": spec_hash,
+                    "theta_digest": self.digest(), "peer_id": peer_id}
             return meta, self.outer.theta + self.outer.momentum_buffers(), seal
 
     @contextlib.contextmanager
@@ -144,14 +153,17 @@ class GlobalState:
             yield
 
     @contextlib.contextmanager
-    def moving_to(self, step: int, digest: str | None = None) -> Iterator[None]:
-        """Change θ_global inside this block; it then stands at outer step ``step``. The state it
+    def moving_to(self, step: int, digest: str | None = None, restarted_below: int | None = None) -> Iterator[None]:
+        """Change θ_global inside this block; it then stands at outer step ``step`` (with the lineage
+        debt ``restarted_below`` of an adopted state; None keeps ours: our own outer step). The state it
         leaves is kept as a θ-mixing reference, and the new one is marked (``digest``, when the caller
         knows it, else computed)."""
         with self.writing():
             self.history.remember(self.current(), self.outer.theta)
             yield
             self.step = step
+            if restarted_below is not None:
+                self.restarted_below = restarted_below
         self.marks.append((self.step, digest or self.digest()))
 
     def mark(self) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from diloco_swarm.averaging.mixing import MixPlan, plan_mix
+from diloco_swarm.averaging.mixing import MixPlan, plan_mix, standing
 from diloco_swarm.node.global_state import GlobalState, State, theta_digest
 
 
@@ -27,6 +27,7 @@ class MixedState:
     outer_step: int
     digest: str
     reference_step: int
+    restarted_below: int = 0  # the mixed lineage's debt (averaging/mixing.py: standing)
 
 
 class ThetaMixer:
@@ -34,7 +35,7 @@ class ThetaMixer:
 
     :param state: this node's θ_global.
     :param averager: runs the mixing all-reduce (``PseudoGradientAverager.mix``).
-    :param supported_step: ``() -> the newest outer step the swarm's signed records back``
+    :param supported_step: ``() -> the newest standing the swarm's signed records back``
         (``StateSync.evidence``): a member claiming more is not followed.
     """
 
@@ -56,8 +57,8 @@ class ThetaMixer:
         plan = plan_mix(result.gathered)
         if plan is None or self.peer_id not in plan.weights:
             return None, None
-        ahead = plan.outer_step - 1  # the round's step: ours, unless we are behind its members
-        if ahead > current[0] and ahead > self.supported_step():
+        ahead = standing(plan.outer_step - 1, plan.restarted_below)  # the round's: ours, unless we are behind
+        if ahead > standing(current[0], self.state.restarted_below) and ahead > self.supported_step():
             return None, None  # a member claims a step the swarm's signed records do not back (node/statesync.py)
         state = self.state
         with state.lock:  # θ_global stays as it is while our round is in flight: a consistent read
@@ -78,7 +79,7 @@ class ThetaMixer:
         """θ_global, outer momentum and outer step ← the mixed state (training thread); θ_local keeps
         its progress since the hand-off (the mix holds this round's Δ̄, our Δ in it; ``sync``:
         node/outer_sync.py's ``OuterSync``)."""
-        with self.state.moving_to(mixed.outer_step, mixed.digest):
+        with self.state.moving_to(mixed.outer_step, mixed.digest, mixed.restarted_below):
             sync.adopt(mixed.theta, mixed.momentum, handoff.delta, estimate, carry=False)
         self.stats.mixed_rounds += 1
 
@@ -88,4 +89,4 @@ def mixed_state(plan: MixPlan, reference: list[torch.Tensor], mixed: list[torch.
     n = len(reference)
     theta = [r + d for r, d in zip(reference, mixed[:n])]  # every member adds the same fp32 values: bit-identical
     return MixedState(theta=theta, momentum=mixed[n:], outer_step=plan.outer_step, digest=theta_digest(theta),
-                      reference_step=plan.reference[0])
+                      reference_step=plan.reference[0], restarted_below=plan.restarted_below)

@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from diloco_swarm.averaging.mixing import standing
 from diloco_swarm.node.outer import OuterOptimizer
 from diloco_swarm.utils.worker import Worker
 
@@ -63,6 +64,17 @@ class Handoff:
     marks: list = field(default_factory=list)  # [step, digest] of earlier θ_global we hold (mixing references)
     started: float = 0.0  # time.monotonic() of the hand-off
     carried: "Carried | None" = None  # late rounds whose Δ this one carries
+    restarted_below: int = 0  # θ_global's lineage debt at the hand-off (averaging/mixing.py: standing)
+
+    @property
+    def standing(self) -> int:
+        """Where θ_global stood among lineages at the hand-off (``mixing.standing``)."""
+        return standing(self.outer_step, self.restarted_below)
+
+    def round_metadata(self, spec_hash: str) -> dict[str, Any]:
+        """What the group's members gather from us (docs/protocol.md): the θ_global we started the round from."""
+        return {"outer_step": self.outer_step, "spec_hash": spec_hash, "theta_digest": self.theta_digest,
+                "marks": self.marks, "restarted_below": self.restarted_below}
 
     @property
     def work_s(self) -> float:

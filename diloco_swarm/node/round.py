@@ -87,7 +87,7 @@ class Round:
         if control.stop.is_set() or outcome.alone:  # leaving, or a solo round: nothing to compare
             return outcome
         if not outcome.result.gathered:  # no group: if the others are far ahead, our next round could never meet theirs
-            outcome.state = self._try(self.p.catch_up, handoff.outer_step, then=handoff.outer_step)
+            outcome.state = self._try(self.p.catch_up, handoff.standing, then=handoff.standing)
             return outcome
         self._mix_or_reconcile(outcome, handoff, control)  # one θ_global for the group
         return outcome
@@ -98,10 +98,11 @@ class Round:
         and the swarm's state adopted. (A late peer's carried Δ is one round stale by design: averaged.)"""
         if handoff.carried is not None:
             return None
-        state = self._try(self.p.catch_up, handoff.outer_step)
+        state = self._try(self.p.catch_up, handoff.standing)
         if state is None:
             return None
-        reason = f"behind the swarm (outer step {handoff.outer_step}, the swarm's {state.meta['outer_step']}): caught up"
+        owed = f" owing {handoff.restarted_below} for a restart" if handoff.restarted_below else ""  # (mixing.standing)
+        reason = f"behind the swarm (outer step {handoff.outer_step}{owed}, the swarm's {state.meta['outer_step']}): caught up"
         return RoundOutcome(RoundResult(ok=False, group_size=1, reason=reason), handoff.delta, state=state, stale=True)
 
     def _mix_or_reconcile(self, outcome: RoundOutcome, handoff: Handoff, control: RoundControl) -> None:

@@ -271,7 +271,8 @@ class Node(Startup):
         carried, self._carried = self._carried, None  # Δ already holds it: θ_local kept the late rounds' work
         return Handoff(delta=delta, tokens=tokens + (carried.tokens if carried else 0), inner_steps=steps,
                        inner_s=inner_s, loss=loss, outer_step=self.outer_step, theta_digest=self.state.digest(),
-                       marks=self.state.reference_marks(), started=time.monotonic(), carried=carried)
+                       marks=self.state.reference_marks(), started=time.monotonic(), carried=carried,
+                       restarted_below=self.state.restarted_below)
 
     def _inner_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One AdamW step on one batch ([B, T] int64 inputs and targets); returns its loss (nats/token)."""
@@ -353,13 +354,10 @@ class Node(Startup):
         return self.state.for_donation(self.spec.spec_hash(), self.peer_id)
 
     def _round_metadata(self, handoff: Handoff) -> dict[str, Any]:
-        """What the group's members gather from us: the θ_global we started the round from."""
-        return {"outer_step": handoff.outer_step, "spec_hash": self.spec.spec_hash(),
-                "theta_digest": handoff.theta_digest, "marks": handoff.marks}
+        return handoff.round_metadata(self.spec.spec_hash())  # (tests/faults.py forges it here)
 
-    def _donor_priority(self) -> float:
-        """Our priority among state donors (hivemind's ``state_sharing_priority``): our outer step."""
-        return float(self.outer_step)
+    def _donor_priority(self) -> float:  # among state donors (hivemind's state_sharing_priority): our standing
+        return float(self.state.standing if self.state is not None else 0)
 
     def _apply_round(self, wait: bool = False, timeout: float | None = None,
                      during_inner_step: int | None = None) -> None:
@@ -419,7 +417,7 @@ class Node(Startup):
 
     def _round_record(self, handoff: Handoff, outcome: RoundOutcome, round_step: int) -> dict[str, Any]:
         """The ``outer_step`` metrics record (docs/metrics.md): the round's fields, and where we stand."""
-        return {"event": "outer_step", "outer_step": round_step,
+        return {"event": "outer_step", "outer_step": round_step, "restarted_below": self.state.restarted_below,
                 "synced_to": self.outer_step if self.outer_step != round_step else None, "peer_id": self.peer_id,
                 "sync_mode": self.spec.sync_mode, "compression": self.spec.compression,
                 **round_fields(handoff, outcome, self._preview), "eval_loss": self.stats.eval_loss,
@@ -443,6 +441,7 @@ class Node(Startup):
             "spec_hash": self.spec.spec_hash(),
             "peer_id": self.peer_id,
             "outer_step": self.outer_step,
+            "restarted_below": self.state.restarted_below,
             "inner_steps_total": self.stats.inner_steps_total,
             "tokens_total": self.stats.tokens_total,
             "outer": self.state.outer.state_dict(),
@@ -462,6 +461,7 @@ class Node(Startup):
             "precision": precision,
             "reachability": self.reachability,
             "outer_step": self.outer_step,
+            "restarted_below": self.state.restarted_below if self.state is not None else 0,
             "maddrs": [] if self.client_mode else self.maddrs,  # a client cannot be dialed
             **self.stats.peer_record(),
             "admission": self.our_pass(self.peer_id),  # a private run's pass (node/invitation.py); None in a public one

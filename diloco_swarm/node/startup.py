@@ -436,10 +436,11 @@ class Startup:
         try:
             self.state.outer.load_state_dict(ckpt["outer"])  # (format 1's inner optimizer state is not used)
             self.state.step = int(ckpt["outer_step"])
+            self.state.restarted_below = int(ckpt.get("restarted_below", 0))  # (absent before protocol 6)
             self.stats.inner_steps_total = int(ckpt["inner_steps_total"])
             self.stats.tokens_total = int(ckpt["tokens_total"])
-            counters = {"outer_step": self.outer_step, "inner_steps_total": self.stats.inner_steps_total,
-                        "tokens_total": self.stats.tokens_total}
+            counters = {"outer_step": self.outer_step, "restarted_below": self.state.restarted_below,
+                        "inner_steps_total": self.stats.inner_steps_total, "tokens_total": self.stats.tokens_total}
             negative = [f"{name} = {value}" for name, value in counters.items() if value < 0]
             if negative:
                 raise ValueError(f"a negative counter: {', '.join(negative)}")

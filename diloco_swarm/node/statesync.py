@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 
+from diloco_swarm.averaging.grouping import is_count
+from diloco_swarm.averaging.mixing import restart_of, standing
 from diloco_swarm.dht.records import live_records, read_peer_entries
 from diloco_swarm.node.canonical import Evidence, canonical_state, gather_evidence, majority_holders
 from diloco_swarm.node.global_state import GlobalState, theta_digest
@@ -85,8 +87,10 @@ class StateSync:
             return "no metadata"
         if meta.get("spec_hash") != self.spec.spec_hash():
             return "it belongs to another run spec"
-        step = meta.get("outer_step")
-        if not isinstance(step, int) or step < min_step:
+        step, restart = meta.get("outer_step"), restart_of(meta)
+        if not is_count(step, 0, (1 << 53) - 1) or restart is None:
+            return "no valid outer step"
+        if standing(step, restart) < min_step:
             return f"its outer step {step!r} is older than {min_step}"
         if len(tensors) != 2 * n:
             return f"{len(tensors)} tensors instead of {2 * n}"
@@ -123,17 +127,23 @@ class StateSync:
             return
         evidence = self.evidence()
         newest = evidence.supported_step
-        if newest <= self.state.step:
+        if newest <= self.state.standing:
             return
         synced = self.download_and_adopt(min_step=newest, reason="join", attempts=3, candidates=evidence.donors_at(newest))
         if not synced and not self.stop.requested:  # a stop cuts the download short: nothing to report
-            self.log(f"could not download the swarm's state (outer step {newest}); "
-                            f"continuing from outer step {self.state.step}")
+            # Training on from here starts a lineage of our own. It owes the outer steps we could not
+            # download: it replaces the swarm's state (its holder asleep, say) only once it stands further,
+            # never for its step count alone (mixing.standing)
+            owed = newest - self.state.standing
+            self.state.restarted_below += owed
+            self.log(f"could not download the swarm's state (outer step {newest}); continuing from outer step "
+                     f"{self.state.step} on a new lineage that owes the {owed} outer steps it could not download: "
+                     f"the swarm's lineage stays ahead until ours has made {owed} more outer steps than it")
 
     def evidence(self) -> Evidence:
         """:func:`gather_evidence` from a fresh read of the swarm's signed records."""
         entries = read_peer_entries(self.dht, self.spec.run_id, organiser=self.spec.organiser)
-        return gather_evidence(entries, self.peer_id, self.state.step, self.state.marks.copy())
+        return gather_evidence(entries, self.peer_id, self.state.standing, self.state.marks.copy())
 
 
 
@@ -148,35 +158,40 @@ class StateSync:
         (a failed round is late for every member: they keep their θ_global).
         :returns: the state to adopt instead of applying the round, or None."""
         entries: dict[str, tuple[int, str]] = {}
+        restarts: dict[str, int] = {}  # peer id -> its lineage's debt (mixing.standing)
         for peer, meta in gathered.items():
             if isinstance(meta, dict) and isinstance(meta.get("outer_step"), int) and isinstance(
                 meta.get("theta_digest"), str
-            ):
-                entries[peer] = (meta["outer_step"], meta["theta_digest"])
-        entries[self.peer_id] = mine
+            ) and restart_of(meta) is not None:
+                entries[peer], restarts[peer] = (meta["outer_step"], meta["theta_digest"]), restart_of(meta)
+        entries[self.peer_id], restarts[self.peer_id] = mine, restarts.get(self.peer_id, self.state.restarted_below)
         evidence = self.evidence()
         newest = evidence.supported_step
         if len(set(entries.values())) > 1:
+            stands = {p: standing(e[0], restarts[p]) for p, e in entries.items()}
             for peer, entry in entries.items():
-                if peer != self.peer_id and entry[0] > newest + 1:  # one step ahead: records still on their way
+                if peer != self.peer_id and stands[peer] > newest + 1:  # one step ahead: records still on their way
                     self._warn_unsupported(peer, entry[0])
             canonical = canonical_state(entries, self.peer_id, evidence, self.averager.donors(),
-                                        can_donate=not self.client_mode)
+                                        can_donate=not self.client_mode, restarts=restarts)
             if mine != canonical:  # (a holder whose record says client serves no state: never asked)
                 holders = [p for p, e in entries.items() if e == canonical and p not in evidence.clients]
-                # behind the canonical outer step: a late peer, not a lineage of its own
-                reason = "lagging" if canonical[0] > mine[0] else "diverged"
-                state = self.download(min_step=canonical[0] + int(applied), reason=reason,
+                target = min(stands[p] for p, e in entries.items() if e == canonical)
+                # behind the canonical state: a late peer, not a lineage of its own
+                reason = "lagging" if target > stands[self.peer_id] else "diverged"
+                state = self.download(min_step=target + int(applied), reason=reason,
                                              candidates=holders, attempts=6)
                 if state is not None:
                     state.includes_round = True
                 return state
-        return self.catch_up(mine[0], evidence, then=mine[0] + int(applied))
+        stands = standing(mine[0], restarts[self.peer_id])
+        return self.catch_up(stands, evidence, then=stands + int(applied))
 
     def catch_up(self, step: int, evidence: Evidence | None = None, *,
                   then: int | None = None) -> "DownloadedState | None":
-        """The newest state the swarm's records back, downloaded, when it is more than one outer step
-        ahead of ``step`` (a lagging peer: its whole group, or its lone round, fell behind), else None.
+        """The newest state the swarm's records back, downloaded, when it stands more than one outer step
+        ahead of ``step`` (our standing, ``mixing.standing``: a lagging peer, its whole group or its lone
+        round fell behind), else None.
 
         ``then``: the outer step this peer holds once its round is applied, when the round has ended
         (None while it is still to run). The swarm's state is then also taken when it has reached our
@@ -237,12 +252,13 @@ class StateSync:
                 r = e.record
                 if r is None or r.peer_id == self.peer_id or records.get(r.peer_id) is not r:
                     continue
-                if r.outer_step < self.state.step:
+                if standing(r.outer_step, r.restarted_below) < self.state.standing:
                     behind[r.peer_id] = (r.outer_step, e.owner, r.reachability != "client")
                     continue
                 behind.pop(r.peer_id, None)
                 digest = next((m.digest for m in r.theta_marks if m.step == self.state.step), None)
-                if r.outer_step == self.state.step and digest not in (None, mine) and not in_grid:
+                if (r.outer_step, r.restarted_below) == (self.state.step, self.state.restarted_below) and \
+                        digest not in (None, mine) and not in_grid:
                     others[r.peer_id] = digest
                 same += r.outer_step == self.state.step and digest == mine
             farewells = {e.owner for e in entries if e.record is None}
@@ -262,7 +278,7 @@ class StateSync:
                     behind.pop(p, None)
             if others:
                 if synced < 1:
-                    evidence = gather_evidence(entries, self.peer_id, self.state.step, self.state.marks.copy())
+                    evidence = gather_evidence(entries, self.peer_id, self.state.standing, self.state.marks.copy())
                     holders = self._holders_of_canonical(others, mine, evidence)
                 elif synced < MAX_END_SYNCS:
                     # Two peers that judged apart (their reads a moment apart) must not swap states forever,
@@ -276,7 +292,8 @@ class StateSync:
                     others = {}  # ours is no majority either: nobody follows us, nobody to wait for
                 elif holders:
                     synced += 1
-                    if self.download_and_adopt(min_step=self.state.step, reason="diverged", candidates=holders, attempts=3):
+                    if self.download_and_adopt(min_step=self.state.standing, reason="diverged", candidates=holders,
+                                               attempts=3):
                         self.evaluate_now()
                         self.records.publish_now()
                     continue
@@ -300,7 +317,8 @@ class StateSync:
         holding the canonical one (:func:`canonical_state`) when it is not ours ``mine``; else []."""
         at_step = {p: (self.state.step, d) for p, d in others.items()}
         at_step[self.peer_id] = (self.state.step, mine)
-        canonical = canonical_state(at_step, self.peer_id, evidence, self.averager.donors(), can_donate=True)
+        canonical = canonical_state(at_step, self.peer_id, evidence, self.averager.donors(), can_donate=True,
+                                    restarts={p: self.state.restarted_below for p in at_step})  # (others: ours)
         return [] if canonical[1] == mine else [p for p, d in others.items() if d == canonical[1]]
 
     def _warn_unsupported(self, peer: str, step: int) -> None:
@@ -351,9 +369,10 @@ class StateSync:
                     if "older than" not in problem:
                         self.log(f"refused the state of {peer}: {problem}")
                     continue
-                if evidence.accepts(meta["outer_step"], meta["theta_digest"]) is not None:
+                state = (meta["outer_step"], meta["theta_digest"], restart_of(meta))
+                if evidence.accepts(*state) is not None:
                     evidence = self.evidence()  # the records of a fresh round may just be arriving
-                    problem = evidence.accepts(meta["outer_step"], meta["theta_digest"])
+                    problem = evidence.accepts(*state)
                     if problem is not None:
                         ahead[peer] = problem
                         continue
@@ -370,7 +389,7 @@ class StateSync:
         training (join sync); after a round (``handoff``, ``estimate``: node/outer_sync.py), θ_local
         keeps its progress since the hand-off, and the hand-off's Δ when ``carry``."""
         before, n = self.state.step, len(self.state.theta)
-        with self.state.moving_to(state.meta["outer_step"], state.meta["theta_digest"]):
+        with self.state.moving_to(state.meta["outer_step"], state.meta["theta_digest"], restart_of(state.meta)):
             if handoff is None:
                 self.state.outer.load_theta_and_momentum(state.tensors[:n], state.tensors[n:])
                 self.state.outer.copy_to(self.params)
