@@ -371,6 +371,24 @@ def test_status_command_reads_the_swarm(helper_swarm, tmp_path):
     assert "none of the --initial-peers answered" in bad.stderr
 
 
+@pytest.mark.timeout(120)  # two light `status` runs: no DHT daemon to start
+def test_status_exits_1_when_it_finds_no_peer_of_the_run(helper_swarm):
+    """A swarm that answers but holds no record of the run: exit 1 (not 0), the table's line or the JSON
+    document still printed, so a script can tell an empty run from a live one (and from bad input, 2)."""
+    from diloco_swarm.cli.status import NO_PEERS
+
+    assert NO_PEERS not in (0, 2)
+    args = [sys.executable, "-m", "diloco_swarm", "status", "--light", "--initial-peers", *helper_swarm.maddrs,
+            "--run-id", f"{helper_swarm.run_id}-nobody"]
+    table = subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert table.returncode == NO_PEERS and "Traceback" not in table.stderr, table.stderr
+    assert f"no peer records found for run '{helper_swarm.run_id}-nobody'" in table.stdout, table.stdout
+    out = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == NO_PEERS and "Traceback" not in out.stderr, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["peers"] == [] and doc["summary"]["peers_online"] == 0
+
+
 def _launch_browser(playwright):
     return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
 

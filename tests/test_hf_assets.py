@@ -6,6 +6,7 @@ Everything is built locally (tests/hflib.py); the Hub is forbidden (HF_HUB_OFFLI
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -316,6 +317,26 @@ def test_byte_preset_exports_as_gpt2_with_identical_logits(tmp_path):
     with torch.no_grad():
         assert torch.allclose(loaded(input_ids=x).logits, trained(x)[0], atol=1e-5)
     assert json.loads((tmp_path / "out" / "diloco-export.json").read_text())["outer_step"] == 4
+
+
+def test_an_export_follows_the_umask(tmp_path):
+    """An export is made to be shared: its folder and files take the user's umask (0755/0644 under 022;
+    they were 0700/0600), as a folder the user made would; under 077 they stay the user's alone."""
+    import stat
+
+    from diloco_swarm.node.export import export_model
+
+    _fake_trained_state(tmp_path / "state", "tiny")
+    for umask, folder_mode, file_mode in ((0o022, 0o755, 0o644), (0o077, 0o700, 0o600)):
+        before = os.umask(umask)
+        try:
+            out = tmp_path / f"out-{umask:03o}"
+            export_model(tmp_path / "state", out)
+        finally:
+            os.umask(before)
+        assert stat.S_IMODE(out.stat().st_mode) == folder_mode, oct(out.stat().st_mode)
+        files = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*")}
+        assert "model.safetensors" in files and set(files.values()) == {file_mode}, {n: oct(m) for n, m in files.items()}
 
 
 def test_export_errors_are_one_line_and_exit_2(tmp_path):

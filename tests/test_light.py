@@ -141,6 +141,34 @@ def test_light_path_imports_neither_hivemind_nor_torch():
     subprocess.run([sys.executable, "-c", LIGHT_PROCESS_CHECKS], check=True, timeout=120, cwd=REPO)
 
 
+# the base install, simulated in one process: torch and hivemind are not found (find_spec gives None)
+# and importing them fails, as where they are not installed (the real one: test_base_install_...)
+WITHOUT_NODE = ("import sys; sys.modules.update(torch=None, hivemind=None); sys.argv[0] = 'diloco-node'; "
+                "from diloco_swarm.cli import main; main()")
+
+
+@pytest.mark.timeout(180)
+def test_every_command_that_needs_the_node_says_what_to_install(tmp_path):
+    """Each command outside LIGHT_COMMANDS, run without torch and hivemind: one line naming the extra,
+    exit 2, no traceback (export ended in a ModuleNotFoundError traceback). A new command must take
+    its place in one list or the other."""
+    from diloco_swarm.cli.app import app
+    from diloco_swarm.cli.common import LIGHT_COMMANDS
+
+    commands = {c.name or c.callback.__name__ for c in app.registered_commands}
+    assert set(LIGHT_COMMANDS) < commands, commands
+    needs_node = sorted(commands - set(LIGHT_COMMANDS))
+    assert {"join", "demo", "export"} <= set(needs_node), needs_node
+    for command in needs_node:  # with no flags: each must refuse before it reads any
+        r = subprocess.run([sys.executable, "-c", WITHOUT_NODE, command], capture_output=True, text=True,
+                           timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (command, r.stderr)
+        assert r.stderr.strip().splitlines() == [r.stderr.strip()], (command, r.stderr)
+        assert f"`diloco-node {command}` needs the node extra (torch is not installed)" in r.stderr, r.stderr
+        assert "pip install 'diloco-swarm[node]'" in r.stderr, r.stderr
+    assert not list(tmp_path.iterdir())  # nothing made (export's default --out, a state dir)
+
+
 # ------------------------------------------------------------------------------ a live swarm
 # Real `diloco-node join` processes; one swarm serves every test below (module scope).
 STATIC = ("peer_id", "name", "version", "device", "precision", "reachability", "maddrs", "owner")
@@ -355,7 +383,8 @@ def test_probe(swarm):
 @pytest.mark.base_install
 @pytest.mark.timeout(900)
 def test_base_install_without_torch_or_hivemind(swarm, tmp_path):
-    """`pip install diloco-swarm` (no extras) into a fresh virtualenv, from PyPI: status works, join says what to install.
+    """`pip install diloco-swarm` (no extras) into a fresh virtualenv, from PyPI: status works, join, demo
+    and export say what to install.
 
     The one test that uses the network beyond 127.0.0.1 (pip, about 2 minutes with a warm cache);
     deselect it with `-m "not base_install"`.
@@ -373,7 +402,7 @@ def test_base_install_without_torch_or_hivemind(swarm, tmp_path):
     r = cli("status", "--initial-peers", swarm.a.maddr(), "--run-id", swarm.run_id, "--json", python=python)
     assert r.returncode == 0, r.stderr
     assert {p["name"] for p in json.loads(r.stdout)["peers"]} == {"alpha", "beta"}
-    for command in (["join", "--run-id", "x"], ["demo"]):
+    for command in (["join", "--run-id", "x"], ["demo"], ["export"]):  # every node command: see the unit test above
         r = cli(*command, python=python)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "pip install 'diloco-swarm[node]'" in r.stderr, r.stderr

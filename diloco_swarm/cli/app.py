@@ -116,7 +116,7 @@ def join(
     private: Annotated[bool, typer.Option("--private", help="Start a private run: only peers with an invitation take part. Creates the organiser key in --state-dir (required); `diloco-node invite --state-dir DIR` then prints invitations. A restart with the same state dir needs no --private.", rich_help_panel=SWARM)] = False,
     invite: Annotated[Optional[str], typer.Option("--invite", metavar="TEXT_OR_FILE", help="Join a private run with this invitation (a file holding it, or its text), from its organiser's `diloco-node invite`. Saved in the state dir: a restart needs no --invite.", rich_help_panel=SWARM)] = None,
     dataset: Annotated[Optional[str], typer.Option(help="Text file, folder or glob; or hf:NAME_OR_PATH\\[:CONFIG]\\[@SPLIT]\\[#COLUMN], a Hugging Face dataset (local parquet, JSON Lines, Arrow or text folder; Hub id streamed when online). Default: the Python standard library's source files (no download).", rich_help_panel=TRAINING)] = None,
-    model: Annotated[str, typer.Option(help="tiny (~0.5M params, CPUs/tests), small (~11M), base (~100M): byte-level GPT; llama-tiny (~3.5M), llama-150m, llama-1b (OpenDiLoCo's shapes): Llama, vocabulary from --tokenizer; hf:PATH_OR_ID: a causal LM config (and weights, the starting point) from a local folder or the Hub.", rich_help_panel=TRAINING)] = "tiny",
+    model: Annotated[str, typer.Option(help="tiny (~0.5M params, CPUs/tests), small (~11M), base (~100M): byte-level GPT; llama-tiny (3.3M with --tokenizer byte, more with a larger vocabulary), llama-150m, llama-1b (OpenDiLoCo's shapes): Llama, vocabulary from --tokenizer; hf:PATH_OR_ID: a causal LM config (and weights, the starting point) from a local folder or the Hub.", rich_help_panel=TRAINING)] = "tiny",
     tokenizer: Annotated[Optional[str], typer.Option(help="byte (one token per byte), a tokenizer.json, a tokenizer folder or a Hub id. Default: byte for tiny/small/base, the model folder's own for hf:, required for llama-*.", rich_help_panel=TRAINING)] = None,
     inner_steps: Annotated[int, typer.Option(min=1, help="H: inner AdamW steps between outer steps.", rich_help_panel=TRAINING)] = 500,
     seq_len: Annotated[int, typer.Option(min=8, help="Tokens (bytes) per training sequence.", rich_help_panel=TRAINING)] = 256,
@@ -364,6 +364,7 @@ def export(
     """Write θ_global of a node's checkpoint as a Hugging Face model folder (config.json, model.safetensors,
     and the run's tokenizer files; a byte-level run has none: token id = byte value) that
     transformers.AutoModelForCausalLM.from_pretrained(OUT) loads."""
+    require_node("export")
     # lazy: torch
     from diloco_swarm.node.checkpoint import CheckpointError
     from diloco_swarm.node.export import ExportError, export_model

@@ -41,6 +41,9 @@ def require_finite(**flags: float) -> None:
 
 
 NODE_MODULES = ("torch", "hivemind")  # the [node] extra (pyproject.toml)
+# the commands that run on the base install (the light client, the invitation keys); every other one
+# calls require_node first (tests/test_light.py runs each of those on a simulated base install)
+LIGHT_COMMANDS = ("status", "dashboard", "probe", "invite")
 
 
 def node_missing() -> str | None:
@@ -55,8 +58,11 @@ def node_missing() -> str | None:
 
 
 def require_node(command: str) -> None:
-    """Exit 2 with an install hint when ``command`` (join, demo) cannot train on this install."""
+    """Exit 2 with an install hint when ``command`` (join, demo, export: any command outside
+    ``LIGHT_COMMANDS``) needs the training node and this install lacks it; call it before any import
+    of torch or hivemind."""
     missing = node_missing()
     if missing is not None:
-        raise fail(f"`diloco-node {command}` trains a model and needs the node extra ({missing} is not installed): "
-                   "pip install 'diloco-swarm[node]'  (status, dashboard and probe work without it)")
+        raise fail(f"`diloco-node {command}` needs the node extra ({missing} is not installed): "
+                   f"pip install 'diloco-swarm[node]'  ({', '.join(LIGHT_COMMANDS[:-1])} and {LIGHT_COMMANDS[-1]} "
+                   "work without it)")

@@ -9,90 +9,23 @@ so it never refuses an address the node would accept.
 
 from __future__ import annotations
 
-import difflib
-import ipaddress
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from diloco_swarm.data.files import DatasetError, list_dataset_files
 from diloco_swarm.data.hf_source import hf_dataset_problem, is_hf_dataset
 from diloco_swarm.data.tokenizer import tokenizer_problem
 from diloco_swarm.models.registry import model_problem
-from diloco_swarm.utils.net import host_problem, port_problem
+from diloco_swarm.utils.net import host_problem, multiaddr_problem, port_problem
 
 
 class InputError(ValueError):
     """Bad command-line input; the message is one line."""
 
 
-def _port(value: str) -> None:
-    if not 0 <= int(value, 10) <= 65535:
-        raise ValueError(value)
-
-
-_BASE58 = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
-# first characters of a CIDv1 string (multibase codes, as hivemind's multiaddr parser reads them)
-_MULTIBASE_CODES = frozenset("0679fFvVtTbBcChkKZzmMuU")
-
-
-def _peer_id(value: str) -> None:
-    """A peer id hivemind's parser (``multiaddr/codecs/cid.py``) would certainly refuse: the
-    ``Qm...`` form every node prints is 46 base58 characters; any other form is a CIDv0 with the
-    identity hash (it starts with ``1``) or a CIDv1 that opens with a multibase code."""
-    if not value.isalnum() or not value.isascii():
-        raise ValueError(value)
-    if value.startswith("Qm") and (len(value) != 46 or not _BASE58.issuperset(value)):
-        raise ValueError(value)  # a truncated or mistyped id
-    if not value.startswith(("Qm", "1")) and value[0] not in _MULTIBASE_CODES:
-        raise ValueError(value)
-
-
-def _nonempty(value: str) -> None:
-    if not value:
-        raise ValueError(value)
-
-
-# Multiaddr protocols (hivemind.utils.multiaddr) whose value is cheap to check, and those without a value.
-_VALUE_CHECKS: dict[str, Callable[[str], object]] = {
-    "ip4": ipaddress.IPv4Address, "ip6": ipaddress.IPv6Address, "tcp": _port, "udp": _port, "dccp": _port,
-    "sctp": _port, "p2p": _peer_id, "dns": _nonempty, "dns4": _nonempty, "dns6": _nonempty, "dnsaddr": _nonempty,
-}
-_NO_VALUE = frozenset({"udt", "utp", "quic", "quic-v1", "http", "https", "tls", "ws", "wss", "p2p-circuit",
-                       "p2p-websocket-star", "p2p-webrtc-star", "p2p-webrtc-direct"})
-
-
-def _walk_multiaddr(addr: str) -> tuple[bool, str | None]:
-    """``(malformed, unknown)``: whether a known protocol of ``addr`` has a bad or missing value, and
-    the first protocol name we do not know (the real parser decides about it; the walk stops there)."""
-    parts = addr.rstrip("/").split("/")[1:]
-    while parts:
-        name = parts.pop(0)
-        if name in _NO_VALUE:
-            continue
-        if name not in _VALUE_CHECKS:
-            return False, name
-        try:
-            _VALUE_CHECKS[name](parts.pop(0))
-        except (ValueError, IndexError):
-            return True, None
-    return False, None
-
-
 def is_malformed_multiaddr(addr: str) -> bool:
     """True when hivemind's multiaddr parser would certainly refuse ``addr``."""
-    return not addr.startswith("/") or _walk_multiaddr(addr)[0]
-
-
-def _unknown_protocol(addr: str) -> str | None:
-    """The first protocol name in ``addr`` that no multiaddr we print or parse has (``tpc`` for
-    ``tcp``), with a suggestion; None when every name is known."""
-    name = _walk_multiaddr(addr)[1]
-    if name is None:
-        return None
-    known = ["ip4", "tcp", "p2p", "ip6", "dns4", "dns6", "dns", *_VALUE_CHECKS, *_NO_VALUE]  # ours first
-    swapped = [k for k in known if sorted(k) == sorted(name)]  # letters swapped: tpc for tcp
-    close = swapped or difflib.get_close_matches(name, known, n=1)
-    return f"'{name}'" + (f" (did you mean {close[0]}?)" if close else "")
+    return multiaddr_problem(addr, unknown=False) is not None
 
 
 def check_initial_peers(values: Sequence[str]) -> None:
@@ -106,21 +39,23 @@ def check_initial_peers(values: Sequence[str]) -> None:
             raise InputError(f"--initial-peers: got an empty address ({value!r}); give the multiaddr a node prints "
                              "(/ip4/HOST/tcp/PORT/p2p/PEER_ID), or omit --initial-peers to start a new swarm")
         for item in items:
-            if is_malformed_multiaddr(item):
-                raise InputError(f"--initial-peers: '{item}' is not a multiaddr (expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)")
+            problem = multiaddr_problem(item, unknown=False)
+            if problem is not None:
+                raise InputError(f"--initial-peers: '{item}' {problem} (expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)")
             if "/p2p/" not in item:
-                unknown = _unknown_protocol(item)
+                unknown = multiaddr_problem(item)  # a protocol we do not know (hivemind may: it decides with /p2p/)
                 if unknown is not None:
-                    raise InputError(f"--initial-peers: '{item}' has an unknown protocol {unknown}; copy the full "
-                                     "address a node prints (/ip4/HOST/tcp/PORT/p2p/PEER_ID)")
+                    raise InputError(f"--initial-peers: '{item}' {unknown}; copy the full address a node prints "
+                                     "(/ip4/HOST/tcp/PORT/p2p/PEER_ID)")
                 raise InputError(f"--initial-peers: '{item}' lacks the /p2p/PEER_ID part; copy the full address a node prints")
 
 
 def check_announce(values: Sequence[str]) -> None:
     """:raises InputError: same message as ``dht.swarm.start_dht``."""
     for a in values:
-        if is_malformed_multiaddr(a):
-            raise InputError(f"--announce: '{a}' is not a multiaddr (expected /ip4/PUBLIC_IP/tcp/PORT)")
+        problem = multiaddr_problem(a, unknown=False)
+        if problem is not None:
+            raise InputError(f"--announce: '{a}' {problem} (expected /ip4/PUBLIC_IP/tcp/PORT)")
         if "/p2p/" in a:  # the node appends its own peer id; a second one makes an address nobody can dial
             raise InputError(f"--announce: '{a}' has a /p2p/ part; give only /ip4/PUBLIC_IP/tcp/PORT "
                              "(the node adds its own peer id)")

@@ -24,6 +24,7 @@ from diloco_swarm.cli.text import DEFAULT_RUN_ID, printable
 STALE_AFTER_S = 20.0
 PIPED_WIDTH = 160  # columns of the table when stdout is not a terminal (rich would fold it to 80)
 REDIAL_EVERY_S = 10.0  # a reader that finds no record re-dials its --initial-peers at most this often
+NO_PEERS = 1  # exit code of a look that found no peer record of the run (2: bad input or an unreadable swarm)
 
 
 def dht_listen_host(initial_peers: list[str]) -> str:
@@ -252,7 +253,7 @@ def status(
 ) -> None:
     """Show the peers of a swarm: one row per peer, and a summary line.
 
-    Joins the DHT as a client (it never trains and accepts no connections), reads every peer's signed record, prints, and leaves. Exit code 0 even when no peer is found; 2 on errors.
+    Joins the DHT as a client (it never trains and accepts no connections), reads every peer's signed record, prints, and leaves. Exit code 0 when it found a peer of the run, 1 when it found none (--json too), 2 on bad input or when no initial peer answered.
     """
     # lazy: pydantic
     from diloco_swarm.spec import run_id_problem
@@ -281,12 +282,14 @@ def status(
     if json_output:
         doc = {"run_id": run_id, "time": round(time.time(), 3), "summary": totals, "peers": rows}
         print(json.dumps(doc, indent=2, allow_nan=False))
+        if not rows:
+            raise typer.Exit(NO_PEERS)  # a script tells an empty run from a live one by the code alone
         return
     if not rows:
         hint = " (the default; give the --run-id your nodes print)" if run_id == DEFAULT_RUN_ID else ""
         out.print(Text(f"no peer records found for run '{run_id}'{hint}: is the run id right, and are its nodes running?"),
                   soft_wrap=True)
-        return
+        raise typer.Exit(NO_PEERS)
     out.print(render_table(rows, run_id, width=out.width))
     out.print(Text(summary_line(totals)), soft_wrap=True)
     if totals["lineage"]["warning"]:

@@ -30,7 +30,7 @@ from diloco_swarm.dht.calls import DHT_CALL_TIMEOUT_S, dht_get, dht_run, dht_sto
 from diloco_swarm.spec import RunSpec, SpecMismatch, parse_published_spec
 from diloco_swarm.utils import clock
 from diloco_swarm.utils import hivemind_fixes  # noqa: F401  (patches hivemind before any DHT forks)
-from diloco_swarm.utils.net import host_problem, port_problem
+from diloco_swarm.utils.net import host_problem, multiaddr_problem, port_problem
 
 SPEC_TTL_S = 3600.0
 
@@ -49,15 +49,17 @@ def parse_initial_peers(values: Sequence[str]) -> list[str]:
 
     Accepts several per argument separated by spaces or commas.
 
-    :raises SwarmError: a value that is not a multiaddr, or lacks the ``/p2p/<peer id>`` part.
+    :raises SwarmError: a value that is not a multiaddr (naming the part that is wrong), or lacks the
+        ``/p2p/<peer id>`` part.
     """
     peers: list[str] = []
     for value in values:
         for item in value.replace(",", " ").split():
             try:
                 addr = Multiaddr(item)
-            except Exception:
-                raise SwarmError(f"--initial-peers: '{item}' is not a multiaddr (expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)")
+            except Exception:  # say which part is wrong: a mistyped peer id is not a mistyped address
+                problem = multiaddr_problem(item, Multiaddr) or "is not a multiaddr"
+                raise SwarmError(f"--initial-peers: '{item}' {problem} (expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)")
             if "/p2p/" not in str(addr):
                 raise SwarmError(f"--initial-peers: '{item}' lacks the /p2p/PEER_ID part; copy the full address a node prints")
             peers.append(str(addr))
@@ -187,7 +189,8 @@ def start_dht(
         try:
             Multiaddr(a)
         except Exception:
-            raise SwarmError(f"--announce: '{a}' is not a multiaddr (expected /ip4/PUBLIC_IP/tcp/PORT)")
+            raise SwarmError(f"--announce: '{a}' {multiaddr_problem(a, Multiaddr) or 'is not a multiaddr'} "
+                             "(expected /ip4/PUBLIC_IP/tcp/PORT)")
     for attempt in range(BOOTSTRAP_ATTEMPTS if initial_peers else 1):
         try:
             dht = DHT(

@@ -30,6 +30,7 @@ import trio
 from diloco_swarm.light import wire
 from diloco_swarm.light.verify import verified_dictionary, verified_value
 from diloco_swarm.utils import clock
+from diloco_swarm.utils.net import multiaddr_problem
 
 # "lazy": libp2p (~0.6 s) loads in the functions that use it: it cannot share a process with hivemind
 # (both register crypto.pb.KeyType), and tests import this module next to hivemind (tests/test_light.py).
@@ -63,14 +64,19 @@ class Found:
 def parse_peer_maddr(text: str):
     """``(peer id, multiaddr without /p2p)`` of ``/ip4/HOST/tcp/PORT/p2p/PEER_ID``.
 
-    :raises LightError: not a multiaddr, or no ``/p2p/`` part.
+    :raises LightError: not a multiaddr (naming the part that is wrong), or no ``/p2p/`` part.
     """
     from libp2p.peer.peerinfo import info_from_p2p_addr  # lazy
 
     try:
-        info = info_from_p2p_addr(multiaddr.Multiaddr(text))
-    except Exception:
-        raise LightError(f"'{text}' is not a peer multiaddr (expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)") from None
+        addr = multiaddr.Multiaddr(text)
+    except Exception:  # say which part is wrong: a mistyped peer id is not a mistyped address
+        problem = multiaddr_problem(text, multiaddr.Multiaddr) or "is not a multiaddr"
+        raise LightError(f"'{text}' {problem} (expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)") from None
+    try:
+        info = info_from_p2p_addr(addr)
+    except Exception:  # it does not end in /p2p/PEER_ID
+        raise LightError(f"'{text}' lacks the /p2p/PEER_ID part; copy the full address a node prints") from None
     addrs = [r for a in info.addrs if str(a) and "tcp" in (p.name for p in a.protocols()) for r in _resolved(a, text)]
     if not addrs:  # the light client dials TCP only
         raise LightError(f"'{text}' has no TCP address before /p2p/ (expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)")

@@ -164,6 +164,7 @@ def export_model(state_dir: Path, out: Path) -> dict[str, Any]:
                 "tokenizer_files": tokenizer_files,
                 "note": "token id = byte value (UTF-8)" if spec.tokenizer == "byte" else None}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1))
+        _follow_umask(tmp)
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
@@ -175,6 +176,18 @@ def export_model(state_dir: Path, out: Path) -> dict[str, Any]:
         raise
     info["files"] = sorted(p.name for p in out.iterdir())
     return info
+
+
+def _follow_umask(folder: Path) -> None:
+    """Give ``folder`` and everything in it the modes of a folder and files the user made (0755 and 0644
+    under a umask of 022): an export is made to be shared. mkdtemp made the folder 0700, and a writer may
+    make its file 0600; only secrets stay that way (invites.write_private: keys, invitations)."""
+    umask = os.umask(0o022)  # reading the umask sets it: put it back at once (export runs no other thread that writes)
+    os.umask(umask)
+    for root, _, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~umask)
 
 
 def _use_tokenizer_special_ids(hf_model, folder: Path) -> None:
