@@ -206,6 +206,40 @@ def test_peers_avoided_by_others_are_summarized_with_who_says_so():
     assert summarize([])["avoided"] == []
 
 
+def test_every_held_out_loss_shown_carries_the_outer_step_it_was_measured_at():
+    """Issue 39: early in a run the held-out loss (θ_global at the last evaluation, outer step 0 at the
+    start) sits beside a training loss of θ_local far ahead of it. The node's record carries the step
+    (``eval_outer_step``), and the API, the page's card and peer table and ``status`` say it."""
+    from diloco_swarm.cli.status import summary_line
+    from diloco_swarm.dht.records import normalize_snapshot
+    from diloco_swarm.node.stats import NodeStats
+
+    stats = NodeStats()
+    assert stats.peer_record()["eval_outer_step"] is None  # no evaluation yet: no step either
+    stats.eval_loss, stats.eval_outer_step = 7.515, 0
+    snap = {**stats.peer_record(), "peer_id": "A", "outer_step": 1}
+    record = PeerRecord.parse_obj(normalize_snapshot(snap))  # what the DHT's schema validator accepts
+    assert (record.eval_loss, record.eval_outer_step) == (7.515, 0)
+    assert normalize_snapshot({**snap, "eval_loss": None})["eval_outer_step"] is None
+    assert PeerRecord.parse_obj({k: v for k, v in rec("B").dict().items() if k != "eval_outer_step"})  # older versions
+
+    st = SwarmState("r", stale_after_s=20, gone_after_s=60)
+    now = time.time()
+    st.update([entry("a", record, now + 15),
+               entry("b", rec("B", loss=2.65, eval_loss=4.873, eval_outer_step=2), now + 15),
+               entry("c", rec("C", eval_loss=None), now + 15)], now=now)
+    doc = st.snapshot(now=now)
+    assert {p["peer_id"]: p["eval_outer_step"] for p in doc["peers"]} == {"A": 0, "B": 2, "C": None}
+    assert doc["totals"]["mean_eval_loss"] == pytest.approx(6.194) and doc["totals"]["eval_outer_steps"] == [0, 2]
+    page = render_page(doc, refresh_s=5.0)
+    assert "held-out 6.194 at outer steps 0–2" in page  # the card
+    assert "held-out 7.515 at outer step 0" in page and "held-out 4.873 at outer step 2" in page  # the rows
+    assert "held-out 6.194 at outer steps 0–2" in summary_line(doc["totals"])
+    one = summarize([r for r in doc["peers"] if r["peer_id"] == "A"])
+    assert one["eval_outer_steps"] == [0, 0] and "held-out 7.515 at outer step 0" in summary_line(one)
+    assert "held-out" not in summary_line(summarize([]))
+
+
 @pytest.mark.filterwarnings("ignore:Using .httpx. with")
 def test_http_routes_and_headers():
     from starlette.testclient import TestClient
@@ -331,7 +365,7 @@ def helper_swarm():
                       record_validators=validators, use_relay=False, use_auto_relay=False)
             dhts.append(dht)
             snap = {**rec(dht.peer_id.to_base58(), name=name, outer_step=1, loss=3.0 - i * 0.2,
-                          tokens_per_s=1000.0 + 200 * i, reachability="client" if i else "public",
+                          tokens_per_s=1000.0 + 200 * i, reachability="client" if i else "public", eval_outer_step=1,
                           theta_marks=[{"step": 1, "digest": f"{i:016x}"}]).dict()}  # two lineages
             snap["updated"] = None  # the publisher fills in "now"
             # records live 3 intervals: 6 s leaves room for a store delayed on a busy machine
@@ -362,7 +396,8 @@ def test_status_command_reads_the_swarm(helper_swarm, tmp_path):
                            env={**os.environ, "COLUMNS": "200"})
     assert table.returncode == 0, table.stderr
     assert "alice" in table.stdout and "[bold red]x" in table.stdout
-    assert "2 peers online · 2.2k tok/s · newest outer step 1 · mean loss 2.900 · 2 θ lineages" in table.stdout
+    assert ("2 peers online · 2.2k tok/s · newest outer step 1 · mean loss 2.900 · held-out 2.600 at outer step 1 "
+            "· 2 θ lineages") in table.stdout
     assert "warning" not in table.stdout  # 2 lineages at one step is not (yet) a split
     bad = subprocess.run([sys.executable, "-m", "diloco_swarm", "status", "--initial-peers",
                           "/ip4/127.0.0.1/tcp/9/p2p/" + helper_swarm.peers[0].peer_id],

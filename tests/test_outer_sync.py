@@ -435,3 +435,38 @@ def test_a_mixed_state_is_adopted_with_its_outer_step_keeping_local_progress():
     assert all(torch.equal(a, b) for a, b in zip(node.state.history.get((0, "step 0")), theta0))
     assert node.stats.theta_marks[-1] == (4, "ab" * 8) and node.stats.state_syncs == 0
 
+
+
+@pytest.mark.parametrize("kind", ["lagging", "mixed", "diverged"])
+def test_an_outer_step_record_names_the_step_of_the_state_whose_digest_it_carries(kind):
+    """Issue 39: a joiner handed off at outer step 0, then adopted the swarm's state of step 2 with the
+    round; its ``outer_step`` record said step 1 (the hand-off's step + 1) with step 2's digest. A
+    record's step and digest are now read from the same θ_global: the adopted state's (mixed or
+    downloaded, any step); ``synced_to`` says a state moved us off the step the round produced."""
+    from diloco_swarm.averaging.results import RoundResult
+    from diloco_swarm.node.mixing import MixedState
+    from diloco_swarm.node.outer_sync import Preview
+
+    node = bare_node([])
+    written = []
+    node._after_round = lambda h, outcome, step, during, late=False: written.append(node._round_record(h, outcome, step))
+    node.peer_id, node.reachability, node._preview = "me", "public", Preview()
+    node.spec = SimpleNamespace(sync_mode="overlap", compression="int8")
+    to = {"lagging": 2, "mixed": 4, "diverged": 1}[kind]
+    adopted = [t + 0.5 for t in node.state.outer.theta]
+
+    def adopt(state, handoff, estimate, carry):  # statesync.adopt's move, without a download
+        with node.state.moving_to(to):
+            node.sync.adopt(adopted, [torch.zeros_like(t) for t in adopted], handoff.delta, estimate, carry=carry)
+
+    node.state_sync = SimpleNamespace(adopt=adopt)
+    mixed = MixedState(theta=adopted, momentum=[torch.zeros_like(t) for t in adopted], outer_step=to,
+                       digest="ab" * 8, reference_step=0) if kind == "mixed" else None
+    state = SimpleNamespace(includes_round=kind == "lagging") if kind != "mixed" else None
+    node.sync.run_round = lambda handoff, control: RoundOutcome(
+        RoundResult(ok=kind != "diverged", group_size=2), [d.clone() for d in handoff.delta], state=state, mixed=mixed)
+    one_outer_step(node, seed=1)  # handed off at outer step 0
+    record = written[-1]
+    assert node.outer_step == to and record["outer_step"] == to
+    assert record["theta_digest"] == node.state.digest() == f"step {to}"  # (bare_node's digest names the step)
+    assert record["synced_to"] == (None if to == 1 else to)  # the round alone produced step 1

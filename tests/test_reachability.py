@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 from hivemind.p2p import P2P
@@ -102,3 +103,48 @@ def test_a_host_without_p2pd_gets_one_clear_line(monkeypatch):
     assert problem and "Darwin arm64" in problem and "Linux x86-64" in problem and "docs/networking.md" in problem
     with pytest.raises(swarm.SwarmError, match="p2pd"):
         swarm.start_dht(initial_peers=[], host="127.0.0.1", port=0)
+
+
+@pytest.mark.timeout(120)
+def test_initial_peers_of_another_run_are_said_in_one_line_naming_ours(monkeypatch):
+    """Issue 39: a joiner that pasted --initial-peers but forgot --run-id bootstrapped through them, found
+    no peer of 'diloco-demo' and trained alone, told only that they "did not answer for this run". Two
+    real DHTs on 127.0.0.1: the dialled one serves another run's spec; the joiner says in one line that
+    they answered but are not in its run, naming it. Joining their run says nothing; nor does a run
+    whose spec expired while its peers still serve its state."""
+    from hivemind import DHT
+
+    from diloco_swarm.dht.swarm import ensure_run_spec, refresh_run_spec
+    from diloco_swarm.node import reachability
+    from diloco_swarm.node.reachability import ReachabilityAtStart
+    from diloco_swarm.spec import RunSpec
+
+    base = dict(model="tiny", dataset="python-stdlib", seq_len=64, inner_steps=10, inner_lr=1e-3, outer_lr=0.7,
+                outer_momentum=0.9, seed=0)
+    theirs, ours = RunSpec(run_id="demo-20261206-212500", **base), RunSpec(run_id="diloco-demo", **base)
+    dhts = []
+    try:
+        for initial in ([], None):
+            initial = initial if initial is not None else [str(a) for a in dhts[0].get_visible_maddrs()]
+            dhts.append(DHT(start=True, initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                            use_relay=False, use_auto_relay=False))
+        dialled, joiner = dhts
+        refresh_run_spec(dialled, theirs)
+
+        def said(spec) -> list[str]:
+            lines = []
+            check = ReachabilityAtStart(cfg=SimpleNamespace(initial_peers=[str(a) for a in dialled.get_visible_maddrs()]),
+                                        dht=joiner, spec=spec, peer_id=joiner.peer_id.to_base58(), stop=None,
+                                        log=lines.append, metrics=None)
+            assert check.not_in_run(ensure_run_spec(joiner, spec, joining=True, attempts=3)) is bool(lines)
+            return lines
+
+        assert said(theirs) == []
+        assert said(ours.model_copy(update={"run_id": "diloco-demo-2"})) == [
+            "the --initial-peers answered but are not in run 'diloco-demo-2': check --run-id (a node prints the run "
+            "id to join it with: `diloco-node join --run-id RUN ...`); starting run 'diloco-demo-2' as its first peer"]
+        monkeypatch.setattr(reachability, "state_donors", lambda dht, run_id: {"QmDonor": 3.0})
+        assert said(ours) == []  # its peers serve the run's state: they are in it
+    finally:
+        for d in dhts:
+            d.shutdown()

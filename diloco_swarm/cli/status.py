@@ -229,7 +229,7 @@ def render_table(rows: list[dict[str, Any]], run_id: str, width: int = 120) -> T
 
 
 def summary_line(totals: dict[str, Any]) -> str:
-    from diloco_swarm.dashboard.charts import fmt_si  # lazy: pydantic
+    from diloco_swarm.dashboard.charts import fmt_held_out, fmt_si  # lazy: pydantic
 
     parts = [f"{totals['peers_online']} peer{'s' if totals['peers_online'] != 1 else ''} online"]
     if totals["peers_stale"]:
@@ -238,6 +238,8 @@ def summary_line(totals: dict[str, Any]) -> str:
     step = totals["newest_outer_step"]
     parts.append(f"newest outer step {'–' if step is None else step}")
     parts.append(f"mean loss {_f(totals['mean_loss'])}")
+    if totals.get("mean_eval_loss") is not None:
+        parts.append(fmt_held_out(totals["mean_eval_loss"], totals.get("eval_outer_steps")))
     lineages = totals["lineages"]
     if lineages is not None:
         parts.append(f"{lineages} θ lineage{'s' if lineages != 1 else ''}")

@@ -39,6 +39,20 @@ def fmt_float(value: Any, digits: int = 3) -> str:
     return f"{value:.{digits}f}"
 
 
+def fmt_held_out(loss: Any, steps: Any) -> str:
+    """``held-out 6.194 at outer step 0`` (``steps``: an outer step, or ``[lowest, highest]`` of several
+    peers': ``at outer steps 0–2``). The step says which θ_global was measured: early in a run it is
+    behind the θ_local of the training loss beside it. Without a step (a record of an older version) the
+    loss alone; ``held-out –`` without a loss."""
+    if fmt_float(loss) == "–":
+        return "held-out –"
+    lo, hi = steps if isinstance(steps, (list, tuple)) and len(steps) == 2 else (steps, steps)
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in (lo, hi)):
+        return f"held-out {fmt_float(loss)}"
+    return f"held-out {fmt_float(loss)} at outer step {lo}" if lo == hi else \
+        f"held-out {fmt_float(loss)} at outer steps {lo}–{hi}"
+
+
 def fmt_bytes(value: Any) -> str:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return "–"

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from diloco_swarm.dashboard.charts import (
-    PALETTE_SIZE, fmt_bytes, fmt_duration, fmt_float, fmt_si, legend, line_chart, short_id, text,
+    PALETTE_SIZE, fmt_bytes, fmt_duration, fmt_float, fmt_held_out, fmt_si, legend, line_chart, short_id, text,
 )
 
 def avoided_text(entry: dict[str, Any]) -> str:
@@ -76,7 +76,7 @@ def _totals(doc: dict[str, Any]) -> str:
         ("tokens-per-s", "Tokens / s", fmt_si(t["tokens_per_s"]), "sum over online peers"),
         ("outer-step", "Newest outer step", "–" if t["newest_outer_step"] is None else str(t["newest_outer_step"]),
          f'{t["failed_rounds"]} failed rounds'),
-        ("mean-loss", "Mean loss", fmt_float(t["mean_loss"]), f'held-out {fmt_float(t["mean_eval_loss"])}'),
+        ("mean-loss", "Mean loss", fmt_float(t["mean_loss"]), fmt_held_out(t["mean_eval_loss"], t.get("eval_outer_steps"))),
         ("tokens-total", "Tokens trained", fmt_si(t["tokens_total"]), "by the listed peers"),
         ("lineages", "θ lineages", "–" if t["lineages"] is None else str(t["lineages"]), _lineage_note(t)),
     ]
@@ -147,7 +147,7 @@ def _peer_table(doc: dict[str, Any], colors: dict[str, int]) -> str:
             f'{text(r.get("device"), 64)} <span class="dim">{text(r.get("precision"), 16)}</span>'
             + (f'<br><span class="dim">v{version}</span>' if version else ""),
             text(r.get("outer_step")),
-            f'{fmt_float(r.get("loss"))}<br><span class="dim">held-out {fmt_float(r.get("eval_loss"))}</span>',
+            f'{fmt_float(r.get("loss"))}<br><span class="dim">{fmt_held_out(r.get("eval_loss"), r.get("eval_outer_step"))}</span>',
             fmt_si(r.get("tokens_per_s")),
             _round(r),
             "–" if r.get("goodput") is None else f'{100 * r["goodput"]:.0f}%',

@@ -296,6 +296,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     live = [r for r in rows if r["state"] in ("online", "stale")]
     losses = [r["loss"] for r in online if _num(r.get("loss")) is not None]
     evals = [r["eval_loss"] for r in online if _num(r.get("eval_loss")) is not None]
+    # the outer steps those were measured at (records of older versions carry none)
+    eval_steps = [r["eval_outer_step"] for r in online if _num(r.get("eval_loss")) is not None
+                  and isinstance(r.get("eval_outer_step"), int)]
     steps = [r["outer_step"] for r in live if _num(r.get("outer_step")) is not None]
     lineage = lineage_summary_of_rows(rows)
     return {
@@ -307,6 +310,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "newest_outer_step": max(steps) if steps else None,
         "mean_loss": round(sum(losses) / len(losses), 6) if losses else None,
         "mean_eval_loss": round(sum(evals) / len(evals), 6) if evals else None,
+        "eval_outer_steps": [min(eval_steps), max(eval_steps)] if eval_steps else None,
         "failed_rounds": int(sum(r.get("failed_rounds") or 0 for r in live)),
         "direct_peers": sum(r.get("reachability") in ("public", "unverified") for r in online),
         "lineages": lineage["lineages"],

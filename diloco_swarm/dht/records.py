@@ -162,6 +162,9 @@ class PeerRecord(pv1.BaseModel):
     admission: Optional[AdmissionPass] = None
     # the outer steps θ_global's lineage owes for a restart from θ_0 (averaging/mixing.py: standing)
     restarted_below: pv1.conint(strict=True, ge=0, le=MAX_COUNT) = 0
+    # the outer step of the θ_global whose held-out loss eval_loss is (None with no eval_loss, and in
+    # records of older versions): early in a run it is behind the training loss's θ_local
+    eval_outer_step: Optional[pv1.conint(strict=True, ge=0, le=MAX_COUNT)] = None
 
     class Config:
         extra = pv1.Extra.forbid
@@ -230,6 +233,8 @@ def normalize_snapshot(snapshot: dict[str, Any], *, now: float | None = None) ->
     out["averaging_round"] = None if round_in_flight is None else _int(round_in_flight, MAX_COUNT)
     out["avoided_peers"] = avoided_of(snapshot.get("avoided_peers"))
     out["admission"] = snapshot.get("admission")  # invites.Invitation.admission_pass(), or None
+    at = snapshot.get("eval_outer_step")
+    out["eval_outer_step"] = None if out["eval_loss"] is None or at is None else _int(at, MAX_COUNT)
     if not out["updated"]:
         out["updated"] = float(clock.now() if now is None else now)
     PeerRecord.parse_obj(out)  # raises ValueError (pydantic's ValidationError) on a bad peer_id

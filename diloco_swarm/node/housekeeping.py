@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from diloco_swarm.dht.records import read_peer_records
 from diloco_swarm.dht.swarm import refresh_run_spec
+from diloco_swarm.node.round_policy import SILENT_RECORDS
 from diloco_swarm.node.redial import REDIAL_EVERY_S, reconnect_peers
 from diloco_swarm.utils.worker import Worker
 
@@ -49,8 +50,10 @@ class Housekeeping:
             self.records.publish_now()
             refresh_run_spec(self.dht, self.spec)
             records = read_peer_records(self.dht, self.spec.run_id, organiser=self.spec.organiser)
-            self.stats.peers_seen = max(1, len(records))
             self.swarm.note(records)
+            # live peers, us included, as the --wait-for-peers barrier counts them (a crashed peer's record
+            # outlives it unchanged): the status line's `peers N`
+            self.stats.peers_seen = 1 + len(self.swarm.live(records, SILENT_RECORDS * self.records.interval_s))
             self.remember_peers(records)
         now = time.monotonic()
         busy = self._reconnecting is not None and not self._reconnecting.done()

@@ -416,8 +416,11 @@ class Node(Startup):
                 for peer, share in outcome.result.outlier_peers.items()))
 
     def _round_record(self, handoff: Handoff, outcome: RoundOutcome, round_step: int) -> dict[str, Any]:
-        """The ``outer_step`` metrics record (docs/metrics.md): the round's fields, and where we stand."""
-        return {"event": "outer_step", "outer_step": round_step, "restarted_below": self.state.restarted_below,
+        """The ``outer_step`` metrics record (docs/metrics.md): the round's fields, and where we stand.
+        Its ``outer_step`` and ``theta_digest`` are both read from θ_global now: after a state adopted with
+        the round they are that state's, never the hand-off's step + 1 (``round_step``, what the round
+        produced; ``synced_to`` says a state moved us off it)."""
+        return {"event": "outer_step", "outer_step": self.outer_step, "restarted_below": self.state.restarted_below,
                 "synced_to": self.outer_step if self.outer_step != round_step else None, "peer_id": self.peer_id,
                 "sync_mode": self.spec.sync_mode, "compression": self.spec.compression,
                 **round_fields(handoff, outcome, self._preview), "eval_loss": self.stats.eval_loss,

@@ -9,7 +9,6 @@ before the network is touched.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 import time
 from dataclasses import replace
@@ -21,11 +20,9 @@ import torch
 from diloco_swarm import __version__
 from diloco_swarm.averaging import averager as averager_module
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
-from diloco_swarm.averaging.reachability import check_reachability, transport_addrs
-from diloco_swarm.averaging.state_sharing import state_donors
 from diloco_swarm.dht.calls import ChildUnavailable
 from diloco_swarm.dht.publisher import PeerRecordPublisher
-from diloco_swarm.dht.records import live_records, owner_digest, read_peer_entries, read_peer_records
+from diloco_swarm.dht.records import live_records, owner_digest, read_peer_entries
 from diloco_swarm.dht.signing import record_validators, signature_validator
 from diloco_swarm.dht.swarm import (BootstrapFailed, InitialPeersAreUs, StateDirLock, SwarmError, ensure_run_spec,
                                     peer_ids_of, start_dht, visible_maddrs)
@@ -43,21 +40,13 @@ from diloco_swarm.node.mixing import ThetaMixer
 from diloco_swarm.node.outer import OuterOptimizer
 from diloco_swarm.node.outer_sync import OuterSync
 from diloco_swarm.node import round_policy as policy
+from diloco_swarm.node.reachability import ReachabilityAtStart, is_loopback
 from diloco_swarm.node.redial import gone_peers
 from diloco_swarm.node.round import Round, RoundParts
 from diloco_swarm.node.statesync import StateSync
 
 ROUND_MARGIN_S = 30.0  # past the round's own time bounds, a phase gives the round up
 WAIT_READ_EVERY_S = 1.0  # the start barrier reads the records (and pings the peers) this often
-
-
-def _is_loopback(maddr: str) -> bool:
-    """Whether a multiaddr's host is a loopback address (/ip4/127.x or /ip6/::1)."""
-    parts = maddr.split("/")
-    try:
-        return len(parts) > 2 and parts[1] in ("ip4", "ip6") and ipaddress.ip_address(parts[2]).is_loopback
-    except ValueError:
-        return False
 
 
 def process_age_s() -> float | None:
@@ -211,9 +200,15 @@ class Startup:
         cfg = self.cfg  # its initial peers may now be the known peers we rejoined through
         self.peer_id = self.dht.peer_id.to_base58()
         phase("dht")
-        ensure_run_spec(self.dht, spec, joining=bool(cfg.initial_peers))
+        run_found = ensure_run_spec(self.dht, spec, joining=bool(cfg.initial_peers))
         phase("run_spec")
-        reachable = self._detect_reachability()
+        check = ReachabilityAtStart(cfg=cfg, dht=self.dht, spec=spec, peer_id=self.peer_id, stop=self.stop,
+                                    log=self.status.log, metrics=self.metrics)
+        # (the averager class is looked up at call time: tests/faults.py may put a faulty one there)
+        reachable = check.detect(client_mode=self.client_mode, averager_type=averager_module.PseudoGradientAverager,
+                                 admission=self.our_pass.shown(self.peer_id), not_in_run=check.not_in_run(run_found))
+        if reachable == "reachable":
+            self.reachability = "public"
         phase("reachability")
         if reachable == "unreachable":
             # Behind NAT: a full peer would break every group it joins. Restart the DHT as a client.
@@ -281,7 +276,7 @@ class Startup:
         else:
             peers = " ".join(f"--initial-peers {a}" for a in addrs) or "--initial-peers <this node's multiaddr>"
             # a node listening on loopback only (--host 127.0.0.1, the demo) is reachable from this machine alone
-            where = "this machine" if addrs and all(_is_loopback(a) for a in addrs) else "another machine"
+            where = "this machine" if addrs and all(is_loopback(a) for a in addrs) else "another machine"
             invite = "--invite INVITATION_FILE " if spec.organiser else ""
             self.status.log("to join from {}: diloco-node join --run-id {} {}{}{}".format(  # one flag per address: pastes as is
                 where, spec.run_id, invite, "".join(f"{f} " for f in cfg.join_flags), peers))
@@ -379,59 +374,6 @@ class Startup:
         if seen:
             remember_peers(self.cfg.state_dir, self.spec.run_id, seen, me=self.peer_id)
 
-    def _detect_reachability(self) -> str:
-        """Ask a public peer to dial us back (averaging/reachability.py) unless --client-mode or
-        --public decided it. :returns: "reachable", "unreachable" or "unknown"; sets ``reachability``."""
-        cfg = self.cfg
-        if self.stop.requested:
-            return "unknown"
-        if self.client_mode:
-            self.status.log("client mode (--client-mode): this node dials out only; it averages through public "
-                            "peers but reduces no parts and donates no state")
-            return "unknown"
-        if cfg.public:
-            ports = sorted({int(m.split("/tcp/")[1].split("/")[0]) for m in visible_maddrs(self.dht) if "/tcp/" in m})
-            where = (", ".join(cfg.announce) if cfg.announce else f"port {cfg.port}" if cfg.port else
-                     f"port {', '.join(map(str, ports)) or '(random)'}, chosen at random: pass --port to keep one "
-                     "across restarts (a router's forward and other peers' --initial-peers need a fixed one)")
-            self.status.log("--public: reachability not checked; other peers must be able to dial " + where)
-            return "unknown"
-        if not cfg.initial_peers:
-            return "unknown"  # the first peer: whoever joins through it proves it reachable
-        maddrs = transport_addrs(visible_maddrs(self.dht))
-        of_this_run = [p for p in state_donors(self.dht, self.spec.run_id) if p != self.peer_id]
-        candidates = of_this_run + [p for p in peer_ids_of(cfg.initial_peers) if p not in of_this_run and p != self.peer_id]
-        if self.spec.organiser is not None:  # a private run: only invited peers judge whether we are reachable
-            invited = read_peer_records(self.dht, self.spec.run_id, organiser=self.spec.organiser)
-            of_this_run, candidates = [p for p in of_this_run if p in invited], [p for p in candidates if p in invited]
-        verdict = check_reachability(self.dht, averager_module.PseudoGradientAverager, self.spec.run_id, candidates,
-                                     maddrs, stop=self.stop.event, admission=self.our_pass.shown(self.peer_id))
-        self.metrics.write({"event": "reachability", "peer_id": self.peer_id, "reachable": verdict.reachable,
-                            "responder": verdict.responder, "reason": verdict.reason, "maddrs": maddrs})
-        if verdict.reachable is True:
-            self.reachability = "public"
-            self.status.log(f"reachable: peer {verdict.responder} dialed us back; serving as a full peer")
-            return "reachable"
-        if verdict.reachable is None and not of_this_run:
-            # the --initial-peers serve no handler of this run: likely another --run-id, not NAT (warned next)
-            self.status.log(f"could not check reachability: no peer of run '{self.spec.run_id}' is known yet and the "
-                            f"--initial-peers did not answer for this run ({verdict.reason}); serving as a full peer")
-            return "unknown"
-        if verdict.reachable is None:
-            # on loopback only (the demo, tests) there is no router to be behind: no hint
-            hint = "" if maddrs and all(_is_loopback(a) for a in maddrs) else (
-                ". Behind a home router without port forwarding? Restart with --client-mode")
-            self.status.log(f"could not check reachability ({verdict.reason}); serving as a full peer{hint}")
-            return "unknown"
-        port = cfg.port or "PORT"
-        self.status.log(
-            f"unreachable: peer {verdict.responder} could not dial us back ({verdict.reason}); running as a client "
-            f"(trains and averages, but reduces no parts and donates no state). To serve as a full peer, forward TCP "
-            f"port {port} on your router and restart with --port {port} --announce /ip4/YOUR_PUBLIC_IP/tcp/{port} "
-            "(docs/networking.md); or run as is"
-        )
-        return "unreachable"
-
     def _restore(self, ckpt: dict[str, Any]) -> None:
         try:
             self.state.outer.load_state_dict(ckpt["outer"])  # (format 1's inner optimizer state is not used)
@@ -472,6 +414,7 @@ class Startup:
                 records = live_records(entries)
                 counted = self._live_peers(records)
                 live, uncounted = 1 + len(counted), len(set(records) - counted - {self.peer_id})
+                self.stats.peers_seen = live  # the status line's count is this one from its first line on
                 if (live, uncounted) != said:
                     said = (live, uncounted)
                     dead = (f"; not counted: {uncounted} whose record is silent or whose process is gone"
@@ -493,8 +436,6 @@ class Startup:
         that only hangs is no death (a slow peer on a loaded machine): a peer whose process is stuck for
         good falls silent instead."""
         self.swarm.note(records)
-        now = time.monotonic()
-        max_silent_s = policy.SILENT_RECORDS * self.records.interval_s
-        fresh = {p for p in records if p != self.peer_id and self.swarm.silent_s(p, now) <= max_silent_s}
+        fresh = self.swarm.live(records, policy.SILENT_RECORDS * self.records.interval_s) - {self.peer_id}
         askable = [p for p in fresh if records[p].reachability != "client"]
         return fresh - gone_peers(self.dht, askable, stop=self.stop.event, banned_is_gone=False)

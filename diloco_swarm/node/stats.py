@@ -43,7 +43,7 @@ class NodeStats:
     inner_step_s: float | None = None  # seconds per inner step in the last phase (DyLU)
     phase_eta: float = 0.0  # unix time at which the current phase should end (0 = not training yet)
     averaging_round: int | None = None  # the grid round we look for a group in (grouping.round_number)
-    peers_seen: int = 1
+    peers_seen: int = 1  # live peers, us included, as the start barrier counts them (the status line's `peers N`)
     last_round: dict[str, Any] | None = None
     avoided_peers: dict[str, str] = field(default_factory=dict)  # peer id -> why our averager shuns it (conduct.py)
     live: dict[str, Any] = field(default_factory=dict)  # the running phase: inner_step, phase_steps, loss, tokens_per_s
@@ -104,6 +104,7 @@ class NodeStats:
             "tokens_per_s": float(self.tokens_per_s or self.live.get("tokens_per_s", 0.0)),
             "loss": self.live.get("loss"),
             "eval_loss": self.eval_loss,
+            "eval_outer_step": self.eval_outer_step if self.eval_loss is not None else None,
             "tokens_total": self.tokens_total,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,

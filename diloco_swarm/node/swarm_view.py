@@ -74,6 +74,12 @@ class SwarmView:
                 "they disagree that peer takes this node's records and group requests as expired. Sync the clock "
                 "with NTP and restart the node whose machine's clock is wrong")
 
+    def live(self, records: Mapping[str, Any], max_silent_s: float, now: float | None = None) -> set[str]:
+        """The other peers of ``records`` (one read, after :meth:`note`) whose record changed within
+        ``max_silent_s`` as we read it: a crashed peer's record outlives it, unchanged."""
+        now = time.monotonic() if now is None else now
+        return {p for p in records if p != self.me and self.silent_s(p, now) <= max_silent_s}
+
     def silent_s(self, peer: str, now: float) -> float:
         """Seconds (``time.monotonic``) since we first read the record of ``peer`` that we read last."""
         heard = self.heard.get(peer)
