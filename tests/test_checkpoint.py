@@ -303,7 +303,7 @@ def test_resume_refuses_non_finite_state_and_negative_counters(tmp_path, checkpo
     fresh_node()._restore(ckpt)  # a healthy checkpoint resumes
     resumed = fresh_node()
     resumed._restore({**ckpt, "restarted_below": 2})  # a restarted lineage's debt resumes with it
-    assert (resumed.state.step, resumed.state.standing) == (3, 1)
+    assert (resumed.state.step, resumed.state.standing) == (3, 2)  # (half its steps, rounded up: mixing.standing)
     with pytest.raises(CheckpointError, match="restarted_below = -1"):
         fresh_node()._restore({**ckpt, "restarted_below": -1})
     ckpt["outer"]["optimizer"]["state"][0]["momentum_buffer"][0] = float("nan")

@@ -118,7 +118,7 @@ def test_a_late_round_counts_as_moved_on_only_the_members_past_its_round():
     # still come (a behind peer's round is the swarm's, not its own step).
     steps = {"ahead": (6, None), "in-round": (5, None), "behind": (4, None), "later-round": (4, 6)}
     reads = []
-    r = make_round(lambda: reads.append(1) or {k: SimpleNamespace(outer_step=s, averaging_round=n)
+    r = make_round(lambda: reads.append(1) or {k: SimpleNamespace(outer_step=s, restarted_below=0, averaging_round=n)
                                                for k, (s, n) in steps.items()})
     assert r.moved_on(["ahead", "in-round", "behind", "later-round", "unknown"], round_no=5) == {"ahead", "later-round"}
     assert r.moved_on(["ahead", "in-round"], round_no=4) == {"ahead", "in-round"}
@@ -136,7 +136,7 @@ def test_a_peer_that_looks_for_a_group_in_the_round_being_planned_is_due_now():
     # ETA, it counted late for the very round it waits in (bench scale, groups of 4: a pair planned
     # without the other pair of its grid group). Its record's averaging_round says where it is.
     now = time.time()
-    rec = lambda eta, rnd: SimpleNamespace(outer_step=3, phase_eta=eta, averaging_round=rnd,  # noqa: E731
+    rec = lambda eta, rnd: SimpleNamespace(outer_step=3, restarted_below=0, phase_eta=eta, averaging_round=rnd,  # noqa: E731
                                            reachability="public")
     far = now + 60.0  # its next phase's end: past any grace window here
     others = {"in-round": rec(far, 3), "elsewhere": rec(far, None), **{f"due{i}": rec(now - 1.0, None) for i in range(3)}}
@@ -151,7 +151,7 @@ def test_a_grid_round_ahead_of_the_swarm_waits_until_the_swarm_reaches_its_step(
     # half the swarm is at 4, naming its round in its record meanwhile; bounded by --averaging-window
     import threading
 
-    rec = lambda step: SimpleNamespace(outer_step=step)  # noqa: E731
+    rec = lambda step: SimpleNamespace(outer_step=step, restarted_below=0)  # noqa: E731
     reads = [{"me": rec(4), "e": rec(4), "a": rec(3), "b": rec(3), "c": rec(3), "f": rec(3)}] * 2
     reads.append({**reads[0], "a": rec(4)})
     published = []
@@ -160,14 +160,14 @@ def test_a_grid_round_ahead_of_the_swarm_waits_until_the_swarm_reaches_its_step(
     control = RoundControl()
     waits: list[float] = []
     control.stop = SimpleNamespace(wait=lambda s: waits.append(s) or False, is_set=lambda: False)
-    handoff = SimpleNamespace(outer_step=4)
+    handoff = SimpleNamespace(outer_step=4, standing=4)
     last = r._wait_for_swarm(handoff, control, reads.pop(0))
     assert last["a"].outer_step == 4 and len(waits) == 2 and published == [4] and r.p.stats.averaging_round is None
     assert r.p.stats.ahead_wait_s > 0
 
     # not ahead: no read, no wait
     waits.clear()
-    assert r._wait_for_swarm(SimpleNamespace(outer_step=3), control, last) is None and waits == []
+    assert r._wait_for_swarm(SimpleNamespace(outer_step=3, standing=3), control, last) is None and waits == []
 
     # bounded: a swarm that never catches up is waited for --averaging-window seconds at most
     r.p.cfg.averaging_window = 0.05
@@ -196,11 +196,11 @@ def test_a_grid_group_whose_other_members_are_all_gone_ends_at_once():
     # window under a key nobody else would use, stalling the peers planned with it next
     from diloco_swarm.averaging.grouping import plan_round
 
-    records = {p: SimpleNamespace(outer_step=5, reachability="public") for p in ("me", "dead", "a", "b", "c", "d")}
+    records = {p: SimpleNamespace(outer_step=5, restarted_below=0, reachability="public") for p in ("me", "dead", "a", "b", "c", "d")}
     plan = plan_round(5, {p: 0.0 for p in records}, max_group_size=2)
     partner = [q for q in plan.group_of("me")[1] if q != "me"]
     r, waits, control = _rounder(records, plan, set(partner))
-    handoff = SimpleNamespace(outer_step=5, delta=[], tokens=1)
+    handoff = SimpleNamespace(outer_step=5, standing=5, delta=[], tokens=1)
     t0 = time.monotonic()
     outcome = r._average(handoff, control)
     assert time.monotonic() - t0 < 1.0
@@ -214,7 +214,7 @@ def test_a_pair_planned_as_one_group_beyond_the_cap_checks_whether_it_is_ahead()
     # among 6 online peers and ran 3 steps ahead; only grid plans waited for the swarm
     from diloco_swarm.averaging.grouping import plan_round
 
-    records = {p: SimpleNamespace(outer_step=s, reachability="public")
+    records = {p: SimpleNamespace(outer_step=s, restarted_below=0, reachability="public")
                for p, s in (("me", 7), ("fast", 7), ("a", 6), ("b", 6), ("c", 5), ("d", 5))}
     etas = {"me": 0.0, "fast": 0.0, **{q: float("inf") for q in "abcd"}}
     plan = plan_round(7, etas, max_group_size=2)
@@ -222,7 +222,7 @@ def test_a_pair_planned_as_one_group_beyond_the_cap_checks_whether_it_is_ahead()
     r, waits, control = _rounder(records, plan, set())
     r.p.averager.average = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("stop here"))
     try:
-        r._average(SimpleNamespace(outer_step=7, delta=[], tokens=1), control)
+        r._average(SimpleNamespace(outer_step=7, standing=7, delta=[], tokens=1), control)
     except RuntimeError:
         pass
     assert waits == [7]
@@ -231,7 +231,7 @@ def test_a_pair_planned_as_one_group_beyond_the_cap_checks_whether_it_is_ahead()
     within = plan_round(7, etas, max_group_size=64)
     r._plan = lambda handoff, recs: (policy.Planned(within, time.time()), set())
     try:
-        r._average(SimpleNamespace(outer_step=7, delta=[], tokens=1), control)
+        r._average(SimpleNamespace(outer_step=7, standing=7, delta=[], tokens=1), control)
     except RuntimeError:
         pass
     assert waits == []

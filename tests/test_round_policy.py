@@ -17,7 +17,7 @@ NOW = 1_000_000.0
 
 def rec(step=5, eta=NOW - 1.0, rnd=None, reach="public"):
     """One peer's record, with the fields a round reads (dht/records.py: PeerRecord)."""
-    return SimpleNamespace(outer_step=step, phase_eta=eta, averaging_round=rnd, reachability=reach)
+    return SimpleNamespace(outer_step=step, restarted_below=0, phase_eta=eta, averaging_round=rnd, reachability=reach)
 
 
 def plan_of(records, me="me", cfg=CFG, gone=frozenset(), step=5, silent=None):

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
+from diloco_swarm.averaging.mixing import standing
 from diloco_swarm.node.canonical import Evidence, canonical_state, gather_evidence
 from diloco_swarm.node.global_state import GlobalState, ThetaHistory
 from diloco_swarm.node.outer import OuterOptimizer
@@ -35,7 +36,7 @@ def choices(states: dict[str, tuple[int, str]], marks: dict[str, list[tuple[int,
     entries = [record(p, states[p][0], marks[p]) for p in states]
     donors = {p for p in states if p not in clients}
     return {me: canonical_state(states, me, gather_evidence(entries, me, states[me][0], marks[me]), donors,
-                                can_donate=me not in clients)
+                                can_donate=me not in clients)[:2]
             for me in states}
 
 
@@ -78,14 +79,31 @@ def test_a_restarted_lineage_stands_behind_the_state_it_could_not_download_until
         states = {"a": (8, d("a")), "b": (b_step, d("b"))}
         marks = {"a": [(8, d("a"))], "b": [(b_step, d("b"))]}
         entries = [record("a", 8, marks["a"]), record("b", b_step, marks["b"], restarted_below=8)]
-        stands = {"a": 8, "b": b_step - 8}
-        chosen = {me: canonical_state(states, me, gather_evidence(entries, me, stands[me], marks[me]), set(states),
-                                      can_donate=True, restarts={"b": 8})
+        debts = {"a": 0, "b": 8}
+        chosen = {me: canonical_state(states, me, gather_evidence(entries, me, states[me][0], marks[me], debts[me]),
+                                      set(states), can_donate=True, restarts={"b": 8})[:2]
                   for me in states}
         assert set(chosen.values()) == {states[winner]}, (b_step, chosen)
         # the records back b's standing, not its outer step: a never catches up to b at 12; b catches up to a
-        assert gather_evidence(entries, "a", 8, marks["a"]).supported_step == b_step - 8
-        assert gather_evidence(entries, "b", b_step - 8, marks["b"]).supported_step == 8
+        assert gather_evidence(entries, "a", 8, marks["a"]).supported_step == standing(b_step, 8)
+        assert gather_evidence(entries, "b", b_step, marks["b"], 8).supported_step == 8
+
+
+def test_a_claimed_debt_buys_nothing():
+    x = d("x")
+    # a donor claiming outer step 1008 owing 1000 stands at 8 like the swarm, but its outer step is backed by
+    # no other record: refused (else it would pass the vouching at a step nobody holds, and move ours far ahead)
+    entries = [record("a", 8, [(8, x)]), record("b", 8, [(8, x)])]
+    assert "outer step 1008 is ahead" in gather_evidence(entries, "me", 8, [(8, x)]).accepts(1008, d("forged"), 1000)
+    # a member claiming the majority's state with a large debt does not lower that state for the others
+    states = {"a": (8, x), "b": (8, x), "h": (8, x), "c": (8, d("y"))}
+    entries = [record(p, 8, [states[p]]) for p in states]
+    chosen = {me: canonical_state(states, me, gather_evidence(entries, me, 8, [states[me]]), set(states),
+                                  can_donate=True, restarts={"h": 10 ** 6}) for me in "abc"}
+    assert set(chosen.values()) == {(8, x, 0)}, chosen
+    # a trained restarted lineage never stands below a fresh start from θ_0: a later joiner takes its state
+    assert [standing(k, 50) for k in (0, 1, 2, 3)] == [0, 1, 1, 2]
+    assert gather_evidence([record("j1", 3, [(3, d("j1"))], restarted_below=50)], "j2", 0, []).supported_step == 2
 
 
 def test_a_state_only_a_client_holds_is_not_canonical():

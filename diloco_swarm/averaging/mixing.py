@@ -37,23 +37,31 @@ MIX_BYTES_PER_VALUE = 2  # a mix: two int8 tensor sets (θ differences and momen
 _DIGEST = re.compile(r"[0-9a-f]{16}")
 
 State = tuple[int, str]  # (outer step, θ_global digest)
+MAX_DEBT = (1 << 53) - 1  # the most outer steps a lineage may owe (``restarted_below``): an exact float
 
 
 def standing(outer_step: int, restarted_below: int = 0) -> int:
-    """Where a θ_global stands when the swarm chooses between lineages: its outer step, less the
-    outer steps its lineage owes (``restarted_below``: the steps a joiner could not download, the
-    swarm's standing less its own, when its download failed and it trained on alone; 0 for a lineage
-    that never restarted). A lineage that restarted from θ_0 owing N steps replaces the one it could
-    not download (then at N) only once it stands further, past outer step 2N: outer step alone cannot
-    tell a restart from progress (docs/architecture.md, rule 59). May be negative."""
-    return outer_step - restarted_below
+    """Where a θ_global stands when the swarm chooses between lineages (an int ≥ 0): its outer step
+    when its lineage never restarted; else the larger of its outer step less the steps it owes
+    (``restarted_below``: the steps a joiner could not download when its download failed and it
+    trained on alone) and half its outer step, rounded up. A lineage that restarted from θ_0 owing N
+    replaces the one it could not download (then at N) only past outer step 2N, and never stands
+    below a fresh start: outer step alone cannot tell a restart from progress (docs/architecture.md,
+    rule 59)."""
+    return max(outer_step - restarted_below, (outer_step + 1) // 2) if restarted_below else outer_step
+
+
+def first_step_at(at: int, restarted_below: int) -> int:
+    """The first outer step at which a lineage owing ``restarted_below`` stands at ``at`` (≥ 0): the
+    inverse of :func:`standing`."""
+    return at if not restarted_below or at == 0 else min(at + restarted_below, 2 * at - 1)
 
 
 def restart_of(meta: Any) -> int | None:
     """A member's ``restarted_below`` from its gathered metadata or state-download metadata
     (untrusted; absent means 0), or None when malformed."""
     value = meta.get("restarted_below", 0) if isinstance(meta, dict) else None
-    return value if is_count(value, 0, (1 << 53) - 1) else None
+    return value if is_count(value, 0, MAX_DEBT) else None
 
 
 @dataclass(frozen=True)
@@ -141,9 +149,9 @@ def plan_mix(gathered: Mapping[str, Any]) -> MixPlan | None:
     if not common:
         return None
     reference = max(common)
-    debt = min(restarts[p] for p in current)
+    debt = min(restarts[p] for p in current)  # the leaders' lineage that owes least
     return MixPlan(reference=reference, weights={p: float(p in current) for p in sorted(members)},
-                   outer_step=step + 1 + debt, restarted_below=debt)
+                   outer_step=first_step_at(step, debt) + 1, restarted_below=debt)
 
 
 def round_step(start_steps: Iterable[int]) -> int:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
 from diloco_swarm.averaging.grouping import ahead_of_swarm, moved_past
-from diloco_swarm.averaging.mixing import group_bits, history_length
+from diloco_swarm.averaging.mixing import group_bits, history_length, standing
 from diloco_swarm.averaging.request import RoundRequest
 from diloco_swarm.averaging.results import RoundResult
 from diloco_swarm.dht.records import read_peer_records
@@ -201,12 +201,12 @@ class Round:
         view = dict(me=p.peer_id, silent_s={q: p.swarm.silent_s(q, seen) for q in others},
                     max_silent_s=policy.SILENT_RECORDS * p.records.interval_s, first_round=p.stats.last_round is None,
                     cfg=p.cfg)
-        planned = policy.plan(handoff.outer_step, handoff.inner_s, others, now=clock.now(), **view)
+        planned = policy.plan(handoff.standing, handoff.inner_s, others, now=clock.now(), **view)
         _, members = planned.plan.group_of(p.peer_id)
         gone = gone_peers(p.dht, [q for q in members if q != p.peer_id and others[q].reachability != "client"],
                           stop=p.stop)
         if gone:
-            planned = policy.plan(handoff.outer_step, handoff.inner_s, others, now=clock.now(), gone=gone, **view)
+            planned = policy.plan(handoff.standing, handoff.inner_s, others, now=clock.now(), gone=gone, **view)
         return planned, gone
 
     def _wait_for_swarm(self, handoff: Handoff, control: RoundControl,
@@ -221,11 +221,12 @@ class Round:
         p = self.p
 
         def ahead() -> bool:
-            return ahead_of_swarm(handoff.outer_step, [r.outer_step for q, r in records.items() if q != p.peer_id])
+            return ahead_of_swarm(handoff.standing, [standing(r.outer_step, r.restarted_below)
+                                                     for q, r in records.items() if q != p.peer_id])
 
         if not ahead():
             return None
-        p.stats.averaging_round = handoff.outer_step
+        p.stats.averaging_round = handoff.standing
         p.housekeeping.publish_soon()
         t0 = time.monotonic()
         try:
@@ -261,7 +262,8 @@ class Round:
                 self._moved_on_read = (now, {})
         records = self._moved_on_read[1]
         return {q for q in peers if q in records
-                and moved_past(round_no, records[q].outer_step, records[q].averaging_round)}
+                and moved_past(round_no, standing(records[q].outer_step, records[q].restarted_below),
+                               records[q].averaging_round)}
 
     def _read_records(self) -> dict[str, Any]:
         """The run's signed peer records (dht/records.py).

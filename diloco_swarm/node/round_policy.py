@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from diloco_swarm.averaging.grouping import RoundPlan, plan_round, round_number
+from diloco_swarm.averaging.mixing import standing
 
 ALIGN_SLACK_S = 1.0  # a round waits this long past the last expected member's hand-off
 MAX_CARRIED_ROUNDS = 2  # a peer late this many rounds in a row applies its carried Δ alone (bounded staleness)
@@ -124,8 +125,9 @@ def plan(step: int, inner_s: float, others: Mapping[str, Any], *, me: str, now: 
          gone: frozenset[str] | set[str] = frozenset()) -> Planned:
     """This round's plan: whom it waits for and, when the swarm is larger than one group, our grid group.
 
-    ``step``: our outer step at the hand-off; ``inner_s``: our phase's seconds; ``others``: peer id ->
-    record of the other peers; ``silent_s``: seconds each record has been unchanged as we read it;
+    ``step``: our standing at the hand-off (``mixing.standing``: our outer step, unless our lineage
+    restarted: rounds are planned by standing, so lineages that stand alike meet); ``inner_s``: our
+    phase's seconds; ``others``: peer id -> record of the other peers; ``silent_s``: seconds each record has been unchanged as we read it;
     ``gone``: members a probe found dead (their records are still fresh): in a one-group round they
     leave the plan, and no round waits for them (:func:`after_plan` also leaves them out of the
     online count behind the majority quorum). ``cfg``: the node's config
@@ -138,7 +140,8 @@ def plan(step: int, inner_s: float, others: Mapping[str, Any], *, me: str, now: 
     phase's). The last round of a planned run (``--max-outer-steps``) has no grid below
     ``--max-group-size``: the peers that share that limit meet in one group and mix into one θ_global.
     """
-    round_no = round_number(step, [(r.outer_step, r.averaging_round) for r in others.values()])
+    round_no = round_number(step, [(standing(r.outer_step, r.restarted_below), r.averaging_round)
+                                   for r in others.values()])
     etas = {p: seconds_to_handoff(r.phase_eta, now, silent_s=silent_s.get(p, 0.0), max_silent_s=max_silent_s,
                                   first_round=first_round) for p, r in others.items()}
     etas.update((p, 0.0) for p, r in others.items() if r.averaging_round == round_no and etas[p] != math.inf)

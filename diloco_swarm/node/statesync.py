@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from diloco_swarm.averaging.grouping import is_count
-from diloco_swarm.averaging.mixing import restart_of, standing
+from diloco_swarm.averaging.mixing import MAX_DEBT, restart_of, standing
 from diloco_swarm.dht.records import live_records, read_peer_entries
 from diloco_swarm.node.canonical import Evidence, canonical_state, gather_evidence, majority_holders
 from diloco_swarm.node.global_state import GlobalState, theta_digest
@@ -91,7 +91,7 @@ class StateSync:
         if not is_count(step, 0, (1 << 53) - 1) or restart is None:
             return "no valid outer step"
         if standing(step, restart) < min_step:
-            return f"its outer step {step!r} is older than {min_step}"
+            return f"it stands at {standing(step, restart)} (outer step {step}), older than {min_step}"
         if len(tensors) != 2 * n:
             return f"{len(tensors)} tensors instead of {2 * n}"
         for t, ref in zip(tensors, self.state.theta + self.state.theta):
@@ -134,7 +134,7 @@ class StateSync:
             # Training on from here starts a lineage of our own. It owes the outer steps we could not
             # download: it replaces the swarm's state (its holder asleep, say) only once it stands further,
             # never for its step count alone (mixing.standing)
-            owed = newest - self.state.standing
+            owed = min(newest - self.state.standing, MAX_DEBT - self.state.restarted_below)
             self.state.restarted_below += owed
             self.log(f"could not download the swarm's state (outer step {newest}); continuing from outer step "
                      f"{self.state.step} on a new lineage that owes the {owed} outer steps it could not download: "
@@ -143,7 +143,7 @@ class StateSync:
     def evidence(self) -> Evidence:
         """:func:`gather_evidence` from a fresh read of the swarm's signed records."""
         entries = read_peer_entries(self.dht, self.spec.run_id, organiser=self.spec.organiser)
-        return gather_evidence(entries, self.peer_id, self.state.standing, self.state.marks.copy())
+        return gather_evidence(entries, self.peer_id, self.state.step, self.state.marks.copy(), self.state.restarted_below)
 
 
 
@@ -168,17 +168,17 @@ class StateSync:
         evidence = self.evidence()
         newest = evidence.supported_step
         if len(set(entries.values())) > 1:
-            stands = {p: standing(e[0], restarts[p]) for p, e in entries.items()}
-            for peer, entry in entries.items():
-                if peer != self.peer_id and stands[peer] > newest + 1:  # one step ahead: records still on their way
-                    self._warn_unsupported(peer, entry[0])
+            claims = {p: (*e, restarts[p]) for p, e in entries.items()}  # (outer step, digest, debt)
+            for peer, claim in claims.items():
+                if peer != self.peer_id and standing(claim[0], claim[2]) > newest + 1:  # one step ahead: records on their way
+                    self._warn_unsupported(peer, claim[0])
             canonical = canonical_state(entries, self.peer_id, evidence, self.averager.donors(),
                                         can_donate=not self.client_mode, restarts=restarts)
-            if mine != canonical:  # (a holder whose record says client serves no state: never asked)
-                holders = [p for p, e in entries.items() if e == canonical and p not in evidence.clients]
-                target = min(stands[p] for p, e in entries.items() if e == canonical)
+            if claims[self.peer_id] != canonical:  # (a holder whose record says client serves no state: never asked)
+                holders = [p for p, c in claims.items() if c == canonical and p not in evidence.clients]
+                target = standing(canonical[0], canonical[2])
                 # behind the canonical state: a late peer, not a lineage of its own
-                reason = "lagging" if target > stands[self.peer_id] else "diverged"
+                reason = "lagging" if target > standing(mine[0], restarts[self.peer_id]) else "diverged"
                 state = self.download(min_step=target + int(applied), reason=reason,
                                              candidates=holders, attempts=6)
                 if state is not None:
@@ -278,7 +278,8 @@ class StateSync:
                     behind.pop(p, None)
             if others:
                 if synced < 1:
-                    evidence = gather_evidence(entries, self.peer_id, self.state.standing, self.state.marks.copy())
+                    evidence = gather_evidence(entries, self.peer_id, self.state.step, self.state.marks.copy(),
+                                               self.state.restarted_below)
                     holders = self._holders_of_canonical(others, mine, evidence)
                 elif synced < MAX_END_SYNCS:
                     # Two peers that judged apart (their reads a moment apart) must not swap states forever,
