@@ -277,8 +277,9 @@ def test_the_printed_join_line_joins_the_run(first_node, tmp_path):
 @pytest.mark.swarm
 @pytest.mark.timeout(150)
 def test_a_wrong_run_id_is_not_reported_as_nat(first_node, tmp_path):
-    """Joining a live peer with another --run-id: the dial-back check finds no peer of that run. The
-    node says so, and warns that it sees no peer of its run, instead of blaming a home router."""
+    """Joining a live peer with another --run-id: the peers answered but are not in our run. The node
+    says so in one line naming its run, and warns that it sees no peer of its run, instead of blaming
+    a home router."""
     _, start, run_id, _ = first_node
     other = f"{run_id}-typo"
     metrics = tmp_path / "wrong-run.jsonl"
@@ -299,7 +300,7 @@ def test_a_wrong_run_id_is_not_reported_as_nat(first_node, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert f"no peer of run '{other}' is known yet" in err, err[-2000:]
+    assert f"the --initial-peers answered but are not in run '{other}': check --run-id" in err, err[-2000:]
     assert f"sees no other peer of run '{other}'" in err, err[-2000:]
     assert "--client-mode" not in err and "home router" not in err, err[-2000:]
     records = [json.loads(x) for x in metrics.read_text().splitlines() if x.endswith("}")]
