@@ -270,9 +270,9 @@ class Node(Startup):
             )
         carried, self._carried = self._carried, None  # Δ already holds it: θ_local kept the late rounds' work
         return Handoff(delta=delta, tokens=tokens + (carried.tokens if carried else 0), inner_steps=steps,
-                       inner_s=inner_s, loss=loss, outer_step=self.outer_step, theta_digest=self.state.digest(),
-                       marks=self.state.reference_marks(), started=time.monotonic(), carried=carried,
-                       restarted_below=self.state.restarted_below)
+                       inner_s=inner_s, loss=loss, outer_step=self.outer_step, restarted_below=self.state.restarted_below,
+                       theta_digest=self.state.digest(), marks=self.state.reference_marks(), started=time.monotonic(),
+                       carried=carried)
 
     def _inner_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One AdamW step on one batch ([B, T] int64 inputs and targets); returns its loss (nats/token)."""
@@ -353,8 +353,8 @@ class Node(Startup):
             raise RuntimeError("this peer is still starting up")
         return self.state.for_donation(self.spec.spec_hash(), self.peer_id)
 
-    def _round_metadata(self, handoff: Handoff) -> dict[str, Any]:
-        return handoff.round_metadata(self.spec.spec_hash())  # (tests/faults.py forges it here)
+    def _round_metadata(self, handoff: Handoff) -> dict[str, Any]:  # (tests/faults.py forges it here)
+        return handoff.round_metadata(self.spec.spec_hash())
 
     def _donor_priority(self) -> float:  # among state donors (hivemind's state_sharing_priority): our standing
         return float(self.state.standing if self.state is not None else 0)
@@ -416,10 +416,8 @@ class Node(Startup):
                 for peer, share in outcome.result.outlier_peers.items()))
 
     def _round_record(self, handoff: Handoff, outcome: RoundOutcome, round_step: int) -> dict[str, Any]:
-        """The ``outer_step`` metrics record (docs/metrics.md): the round's fields, and where we stand.
-        Its ``outer_step`` and ``theta_digest`` are both read from θ_global now: after a state adopted with
-        the round they are that state's, never the hand-off's step + 1 (``round_step``, what the round
-        produced; ``synced_to`` says a state moved us off it)."""
+        """The ``outer_step`` metrics record (docs/metrics.md): the round's fields, and where θ_global stands
+        (``synced_to``: a state adopted with the round moved it off ``round_step``, what the round produced)."""
         return {"event": "outer_step", "outer_step": self.outer_step, "restarted_below": self.state.restarted_below,
                 "synced_to": self.outer_step if self.outer_step != round_step else None, "peer_id": self.peer_id,
                 "sync_mode": self.spec.sync_mode, "compression": self.spec.compression,
@@ -428,8 +426,7 @@ class Node(Startup):
                 "theta_digest": self.state.digest(), **self.stats.totals()}
 
     def _evaluate_now(self) -> None:
-        """Held-out loss of θ_global now (at the start, after a state adopted at the end): an ``eval``
-        metrics event and a line."""
+        """Held-out loss of θ_global now (at the start, after a state adopted at the end): an event, a line."""
         self.evaluate(self.state.theta, self.outer_step, force=True)
         self.metrics.write({"event": "eval", "peer_id": self.peer_id, "outer_step": self.outer_step,
                             "eval_loss": self.stats.eval_loss})
