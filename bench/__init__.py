@@ -6,4 +6,4 @@ section of ``docs/benchmarks.md`` (its figures, between markers) is regenerated 
 """
 
 NAMES = ("wire", "codec", "round", "quality", "netns", "overlap", "speeds", "scale")
-STANDALONE = ("churn", "idle", "simscale", "eager", "light", "staleness", "memory", "hostile")  # not in `all`: long or special
+STANDALONE = ("churn", "idle", "simscale", "eager", "light", "staleness", "memory", "hostile", "sparse", "uplink")  # not in `all`: long or special

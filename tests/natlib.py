@@ -134,9 +134,11 @@ def private_netns(tag: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def star_topology(n: int, rate: str | None, subnet: str = "10.123.0") -> Iterator[list[tuple[str, str]]]:
+def star_topology(n: int, rate: str | None, subnet: str = "10.123.0",
+                  up_rate: str | None = None) -> Iterator[list[tuple[str, str]]]:
     """``n`` peer namespaces on a hub's bridge; with ``rate`` (e.g. ``"100mbit"``) a ``tbf`` qdisc limits both
-    directions of every peer's link (the peer's egress: upload; the bridge port's egress: download).
+    directions of every peer's link (the peer's egress: upload; the bridge port's egress: download);
+    ``up_rate`` (e.g. ``"20mbit"``) limits the upload alone instead, as a home link's.
 
     :yields: ``[(namespace, address)]``, addresses ``{subnet}.1`` .. ``{subnet}.n``, the devices ``vp0`` ...
     """
@@ -147,7 +149,8 @@ def star_topology(n: int, rate: str | None, subnet: str = "10.123.0") -> Iterato
             _plug(hub, i, ns, f"vp{i}", addr)
             if rate:
                 tbf = ["tbf", "rate", rate, "burst", "64kb", "latency", "100ms"]
-                _run(ns, "tc", "qdisc", "replace", "dev", f"vp{i}", "root", *tbf)
+                up = ["tbf", "rate", up_rate, "burst", "64kb", "latency", "100ms"] if up_rate else tbf
+                _run(ns, "tc", "qdisc", "replace", "dev", f"vp{i}", "root", *up)
                 _run(hub, "tc", "qdisc", "replace", "dev", f"vb{i}", "root", *tbf)
         yield peers
 

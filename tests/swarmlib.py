@@ -240,6 +240,18 @@ def theta_by_step(node: NodeProc | list[dict[str, Any]]) -> dict[int, str]:
     return out
 
 
+def verified_digests(nodes: list[NodeProc]) -> dict[int, dict[str, str]]:
+    """outer step -> {node name: digest of the θ_global it held there} (:func:`theta_by_step`), for the steps
+    whose round each node verified."""
+    digests: dict[int, dict[str, str]] = {}
+    for node in nodes:
+        held = theta_by_step(node)
+        for r in node.outer_steps():
+            if r["round_ok"] and r["outer_step"] in held:
+                digests.setdefault(r["outer_step"], {})[node.name] = held[r["outer_step"]]
+    return digests
+
+
 def round_key(record: dict[str, Any]) -> Any:
     """What identifies the round of an ``outer_step`` record: hivemind's group id, or for records
     without one (older runs) the outer step and the group's members. A late round keeps its outer

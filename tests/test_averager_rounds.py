@@ -13,16 +13,15 @@ waited for it each time.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 
 import pytest
 import torch
 
+from averagerlib import averagers
 from diloco_swarm.averaging.averager import PseudoGradientAverager
 from diloco_swarm.averaging.request import RoundRequest
-from diloco_swarm.dht.swarm import start_dht, visible_maddrs
 
 SHAPES = [(256, 64), (64,), (64, 32), (32,)]
 LEADER_BEGINS_IN_S = 10.0  # the full peers' planned start, well past the client's own plan
@@ -33,27 +32,10 @@ def _delta(seed: int) -> list[torch.Tensor]:
     return [1e-2 * torch.randn(s, generator=g) for s in SHAPES]
 
 
-@contextlib.contextmanager
 def _averagers(prefix: str, target_group_size: int, clients: tuple[bool, ...], types: tuple[type, ...] = (),
                max_group_size: int | None = None):
-    """One DHT and averager per entry of ``clients`` (True: a client), bootstrapped from the first, of
-    the class in ``types`` at its index (default ``PseudoGradientAverager``); all shut down at the end."""
-    dhts = [start_dht(initial_peers=[], host="127.0.0.1", port=0)]
-    dhts += [start_dht(initial_peers=visible_maddrs(dhts[0]), host="127.0.0.1", port=0, client_mode=client)
-             for client in clients[1:]]
-    averagers: list[PseudoGradientAverager] = []
-    try:
-        for i, (dht, client) in enumerate(zip(dhts, clients)):
-            cls = types[i] if i < len(types) else PseudoGradientAverager
-            averagers.append(cls([torch.zeros(s) for s in SHAPES], dht, prefix=prefix, target_group_size=target_group_size,
-                                 max_group_size=max_group_size, matchmaking_time=2.0, client_mode=client))
-        yield averagers
-    finally:
-        for averager in averagers:
-            with contextlib.suppress(Exception):
-                averager.shutdown()
-        for dht in reversed(dhts):
-            dht.shutdown()
+    """averagerlib.averagers of :data:`SHAPES`."""
+    return averagers(prefix, target_group_size, clients, SHAPES, types, max_group_size=max_group_size)
 
 
 def test_a_round_request_refuses_inputs_out_of_range_and_gathers_the_settings_its_averager_reads_back():

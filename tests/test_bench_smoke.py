@@ -55,6 +55,17 @@ def test_every_benchmark_runs_at_toy_size(tmp_path):
     _check_scale(json.loads((out / "scale.smoke.json").read_text()), text)
 
 
+@pytest.mark.timeout(180)
+def test_the_sparse_benchmark_runs_at_toy_size_and_every_sparse_mode_uploads_less_than_int8(tmp_path):
+    out = tmp_path / "out"
+    assert main(["--size", "smoke", "--out-dir", str(out), "--no-doc"], name="sparse") == 0
+    result = json.loads((out / "sparse.smoke.json").read_text())
+    upload = {r["variant"]: r["upload_B_per_param"] for r in result["runs"] if (r["lr"], r["momentum"]) == (0.7, 0.9)}
+    assert set(upload) == {"int8", "sparse1-int8", "sparse1-int8-cut", "sparse2-int8", "sparse2-int8-cut"}
+    assert all(upload[v] < upload["int8"] / 5 for v in upload if v != "int8"), upload
+    assert {c["mode"] for c in result["codec"]} == {"sparse1-int8", "sparse2-int8"}
+
+
 @pytest.mark.timeout(60)
 def test_report_keeps_full_sections_and_untouched_ones(tmp_path):
     from bench.common import provenance, save_result

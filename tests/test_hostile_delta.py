@@ -1,4 +1,5 @@
-"""A hostile volunteer cannot steer the model (issue 37): every reducer leaves its Δ out, names it, and avoids it.
+"""A hostile volunteer cannot steer the model (issue 37), in int8 and in sparse1-int8 (issue 38): every reducer
+leaves its Δ out, names it, and avoids it.
 
 4 honest peers and one that sends −8 × its Δ to every round (``--fault scale=-8``, tests/faults.py: inside
 the 10× bound on a part's size, so no check refuses it) against the same 4 honest peers alone. With the
@@ -51,13 +52,13 @@ def _watch_avoidance(swarm: Swarm, honest: list, hostile: list) -> dict:
     return swarm.wait(avoided_by_all, 60, "status lists the hostile peer avoided by every honest peer", honest)
 
 
-def _train(root, honest: int, hostile: int) -> tuple[list[float], list[str], list[str], list[str], dict | None]:
+def _train(root, honest: int, hostile: int, compression: str) -> tuple[list[float], list[str], list[str], list[str], dict | None]:
     """``honest`` + ``hostile`` peers to ``OUTER_STEPS``: the honest peers' final held-out losses, their logs,
     the honest and the hostile peers' ids, and (with a hostile peer) the ``status --json`` document that
     shows it avoided."""
     n = honest + hostile
-    with Swarm(root, f"hostile-delta-{hostile}", extra=["--max-outer-steps", str(OUTER_STEPS),
-                                                       "--wait-for-peers", str(n)]) as swarm:
+    with Swarm(root, f"hostile-delta-{hostile}", extra=["--max-outer-steps", str(OUTER_STEPS), "--wait-for-peers", str(n),
+                                                       "--compression", compression]) as swarm:
         first = swarm.start("h0", timeout=START_S)
         nodes = [first] + [swarm.start(f"h{i}", initial=first, wait_start=False) for i in range(1, honest)]
         bad = [swarm.start(f"x{i}", "--fault", "scale=-8", initial=first, wait_start=False) for i in range(hostile)]
@@ -75,9 +76,10 @@ def _train(root, honest: int, hostile: int) -> tuple[list[float], list[str], lis
 
 
 @pytest.mark.timeout(600)
-def test_a_peer_sending_minus_8_times_its_delta_barely_moves_the_honest_peers_is_named_and_avoided(tmp_path):
-    alone, alone_logs, _, _, _ = _train(tmp_path / "honest", 4, 0)
-    attacked, logs, honest_ids, (hostile_id,), status = _train(tmp_path / "attacked", 4, 1)
+@pytest.mark.parametrize("compression", ["int8", "sparse1-int8"])  # sparse: the reducers see its −8 × selection (issue 38)
+def test_a_peer_sending_minus_8_times_its_delta_barely_moves_the_honest_peers_is_named_and_avoided(tmp_path, compression):
+    alone, alone_logs, _, _, _ = _train(tmp_path / "honest", 4, 0, compression)
+    attacked, logs, honest_ids, (hostile_id,), status = _train(tmp_path / "attacked", 4, 1, compression)
     baseline = sum(alone) / len(alone)
     for loss in attacked:
         assert loss <= baseline * (1 + TOLERANCE), (attacked, alone)

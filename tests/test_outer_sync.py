@@ -300,7 +300,7 @@ def bare_node(events, overlap=True):
     node.state.digest = lambda: f"step {node.state.step}"
     node.mixer = ThetaMixer(node.state, averager=None, peer_id="me", stats=node.stats, supported_step=lambda: 0,
                             log=print)
-    node.cfg, node._carried, node.records = SimpleNamespace(), None, []
+    node.cfg, node._carried, node.records, node.feedback = SimpleNamespace(), None, [], None
     node._after_round = lambda h, result, step, during, late=False: node.records.append((step, late, h.tokens))
     return node
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from bench.scale import split_windows
-from swarmlib import Swarm, load_theta, relative_difference, theta_by_step
+from swarmlib import Swarm, load_theta, relative_difference, theta_by_step, verified_digests
 
 pytestmark = [pytest.mark.swarm]
 
@@ -61,12 +61,7 @@ def test_three_peers_train_average_and_agree(tmp_path):
         # (theta_by_step: the θ held at the end of each step, re-syncs included).
         # A peer late for a round (the majority averaged without it) joins the next one with its Δ and
         # then re-syncs onto the newer step: it never held a θ_global of the round's own step.
-        digests = {}
-        for node in nodes:
-            held = theta_by_step(node)
-            for r in node.outer_steps():
-                if r["round_ok"] and r["outer_step"] in held:
-                    digests.setdefault(r["outer_step"], {})[node.name] = held[r["outer_step"]]
+        digests = verified_digests(list(nodes))
         common = [s for s, d in digests.items() if len(d) == 3]
         assert common, digests
         for step in common:

@@ -47,6 +47,7 @@ from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 from diloco_swarm.averaging.reducer import RobustPartReducer
+from diloco_swarm.averaging.sparse import SparseInt8Codec
 
 logger = get_logger(__name__)
 
@@ -79,6 +80,7 @@ class RoundStats:
     group_peer_ids: list[str] = field(default_factory=list)
     bytes_sent: int = 0
     bytes_received: int = 0
+    allreduce_s: float = 0.0  # from the all-reduce's start in our averager process to its end
     failed_values: int = 0
     total_values: int = 0
     rejected_senders: dict[str, str] = field(default_factory=dict)  # peer id -> reason
@@ -156,6 +158,7 @@ class ConsensusAllReduceRunner(AllReduceRunner):
         self.stats.total_values = self.tensor_part_container.total_size
         self.max_part_rms_ratio = max_part_rms_ratio
         self._compression = self.tensor_part_container.compression
+        self._sparse = isinstance(self._compression, SparseInt8Codec)  # its limits depend on the group (averaging/sparse.py)
         self._local_part_rms = [_rms(p) for p in self.parts_for_local_averaging]
         self._encoded_averages: dict[int, asyncio.Future] = {}
         self._reducer_calls: dict[PeerID, asyncio.Task] = {}  # members whose averages of their parts we still await
@@ -239,7 +242,8 @@ class ConsensusAllReduceRunner(AllReduceRunner):
         if future is None:
             future = self._encoded_averages[part_index] = asyncio.ensure_future(
                 asyncio.get_event_loop().run_in_executor(
-                    None, lambda: self._compression.compress(averaged_part, CompressionInfo.from_tensor(averaged_part))
+                    None, lambda: self._compression.compress_average(averaged_part, len(self.sender_peer_ids))
+                    if self._sparse else self._compression.compress(averaged_part, CompressionInfo.from_tensor(averaged_part))
                 )
             )
         return await future
@@ -249,11 +253,13 @@ class ConsensusAllReduceRunner(AllReduceRunner):
         if peer_id == self.peer_id:
             sender_index = self.sender_peer_ids.index(peer_id)
             for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+                if self._sparse:  # our own part counts as the others see theirs: what the wire would carry
+                    tensor_part = self._compression.as_received(tensor_part)
                 averaged_part = await self.tensor_part_reducer.accumulate_part(
                     sender_index, part_index, tensor_part, weight=self.weight
                 )
                 serialized = await self._encoded_average(part_index, averaged_part)
-                canonical = deserialize_torch_tensor(serialized)
+                canonical = self._decode_average(serialized)
                 self.tensor_part_container.register_processed_part(peer_index, part_index, canonical)
             return
 
@@ -275,7 +281,7 @@ class ConsensusAllReduceRunner(AllReduceRunner):
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
                 if msg.tensor_part.compression != self._compression.compression_type:
                     raise AllreduceException(f"{peer_id} answered with another codec")
-                return deserialize_torch_tensor(msg.tensor_part), len(msg.tensor_part.buffer)
+                return self._decode_average(msg.tensor_part), len(msg.tensor_part.buffer)
 
             async for averaged, n_bytes in amap_in_executor(
                 _try_deserialize,
@@ -358,6 +364,20 @@ class ConsensusAllReduceRunner(AllReduceRunner):
             return f"sent a part with RMS {part_rms:.3g}, {SIZE_REASON} {bound:.3g}"
         return None
 
+    def _decode_part(self, serialized) -> torch.Tensor:
+        """A sender's part, decoded by our codec instance (a sparse one knows the run's entries per chunk);
+        a part in another codec by its own, to be refused by :meth:`_check_sender_part`.
+        :raises CodecError: a malformed part."""
+        if serialized.compression == self._compression.compression_type:
+            return self._compression.extract(serialized)
+        return deserialize_torch_tensor(serialized)
+
+    def _decode_average(self, serialized) -> torch.Tensor:
+        """A reducer's average (checked for its codec by the caller). :raises CodecError: a malformed one."""
+        if self._sparse:
+            return self._compression.extract_average(serialized, len(self.sender_peer_ids))
+        return deserialize_torch_tensor(serialized)
+
     def _rms_bound(self, part_index: int, weight: float) -> float:
         """The largest RMS a sender of ``weight`` may send for part ``part_index``."""
         return allowed_scale(self.max_part_rms_ratio, weight, self.weight) * max(self._local_part_rms[part_index], RMS_FLOOR)
@@ -368,7 +388,7 @@ class ConsensusAllReduceRunner(AllReduceRunner):
         try:
 
             def _deserialize(msg):
-                return deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression, len(
+                return self._decode_part(msg.tensor_part), msg.weight, msg.tensor_part.compression, len(
                     msg.tensor_part.buffer
                 )
 

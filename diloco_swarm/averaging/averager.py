@@ -23,11 +23,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import signal
 import threading
 import time
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 import torch
 from hivemind import DHT
@@ -41,6 +42,7 @@ from hivemind.utils import get_dht_time, get_logger
 from diloco_swarm.averaging.admission import Admission
 from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner, RoundStats
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
+from diloco_swarm.averaging.sparse import SPARSE_MODES, SparseInt8Codec
 from diloco_swarm.averaging.conduct import PeerConduct
 from diloco_swarm.averaging.confirm import FAILED_MARK, ConfirmedRounds
 from diloco_swarm.averaging.grouping import grid_group_quorum, group_problem, majority_quorum
@@ -71,10 +73,11 @@ logging.getLogger("hivemind.averaging.averager").addFilter(_QuietExpectedFailure
 AVERAGER_START_TIMEOUT_S = 120.0  # fork, replicate the DHT's libp2p client, register handlers; a busy machine
 REFUSED_GROUP_PAUSE_S = 1.0  # after a group that may not advance: the same members would meet again at once
 
-COMPRESSIONS: dict[str, type[CompressionBase]] = {
+COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
     "int8": Int8BlockwiseCodec,
     "fp16": Float16Compression,
     "fp32": NoCompression,
+    **{name: functools.partial(SparseInt8Codec, per_chunk=k, resparsify=cut) for name, (k, cut) in SPARSE_MODES.items()},
 }
 
 
@@ -88,7 +91,8 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
     :param tensors: the Δ buffers, fp32 CPU, shapes of the model parameters (shared memory).
     :param dht: a running ``hivemind.DHT``.
     :param prefix: matchmaking key; the run id, so only peers of the same run meet.
-    :param compression: ``int8`` (default), ``fp16`` or ``fp32``.
+    :param compression: ``int8`` (default), ``fp16``, ``fp32`` or a sparse int8 mode (``sparse.SPARSE_MODES``:
+        the all-reduce's input must then be a selection, ``node/feedback.py``).
     :param target_group_size: most peers in one group, unless a round asks for more.
     :param max_group_size: most peers a round may ask for (``--max-group-size``: the whole-swarm
         last round of a grid run); default ``target_group_size``.
@@ -198,8 +202,12 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
         stats = self._round_stats[group_id.hex()] = RoundStats()
-        await self._run_consensus(ConsensusAllReduceRunner, tensors, group_info, group_id, stats, count=True,
-                                  **kwargs)
+        started = time.monotonic()
+        try:
+            await self._run_consensus(ConsensusAllReduceRunner, tensors, group_info, group_id, stats, count=True,
+                                      **kwargs)
+        finally:
+            stats.allreduce_s = time.monotonic() - started
 
     async def _run_consensus(self, runner_type: type[ConsensusAllReduceRunner], tensors, group_info, group_id: bytes,
                              stats: RoundStats, count: bool = False, **kwargs) -> None:

@@ -155,6 +155,16 @@ def wire_bytes(n_values: int, blocksize: int = BLOCKSIZE) -> int:
     return _HEADER.size + 4 * _n_blocks(n_values, blocksize) + n_values
 
 
+def declared_shape(serialized: runtime_pb2.Tensor, codec: str) -> tuple[tuple[int, ...], int]:
+    """(shape, value count) a received part declares. :raises CodecError: not float32, or a negative dimension."""
+    if serialized.dtype != "float32":
+        raise CodecError(f"{codec} part declares dtype {serialized.dtype!r}, expected float32")
+    shape = tuple(int(s) for s in serialized.size)
+    if any(s < 0 for s in shape):
+        raise CodecError(f"{codec} part declares a negative dimension")
+    return shape, int(np.prod(shape, dtype=np.int64)) if shape else 1
+
+
 class Int8BlockwiseCodec(CompressionBase):
     """hivemind ``CompressionBase`` adapter for :func:`encode` / :func:`decode`.
 
@@ -175,12 +185,7 @@ class Int8BlockwiseCodec(CompressionBase):
         )
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        if serialized_tensor.dtype != "float32":
-            raise CodecError(f"int8 part declares dtype {serialized_tensor.dtype!r}, expected float32")
-        shape = tuple(int(s) for s in serialized_tensor.size)
-        if any(s < 0 for s in shape):
-            raise CodecError("int8 part declares a negative dimension")
-        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        shape, numel = declared_shape(serialized_tensor, "int8")
         return decode(serialized_tensor.buffer, expected_numel=numel).reshape(shape)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:

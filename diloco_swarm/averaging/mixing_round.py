@@ -28,9 +28,11 @@ from hivemind.utils import MPFuture, get_logger
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from diloco_swarm.averaging.allreduce import MixingAllReduceRunner, RoundStats
+from diloco_swarm.averaging.codec import Int8BlockwiseCodec
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S, FAILED_MARK
 from diloco_swarm.averaging.mixing import mixing_group_id
 from diloco_swarm.averaging.results import GoneProbe, RoundResult, short_reason
+from diloco_swarm.averaging.sparse import SparseInt8Codec
 from diloco_swarm.dht.calls import bounded
 from diloco_swarm.utils.hivemind_fixes import keep_task_alive
 
@@ -70,6 +72,8 @@ class ThetaMixing:
             download = [b if AveragingMode(m) != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, mode_ids)]
             kwargs = dict(self.allreduce_kwargs)
             min_vector_size = kwargs.pop("min_vector_size")
+            if isinstance(kwargs.get("compression"), SparseInt8Codec):  # θ-mixing stays dense int8 in a sparse run:
+                kwargs["compression"] = Int8BlockwiseCodec()  # θ differences are not pseudo-gradients (issue 38)
             fractions = await asyncio.get_event_loop().run_in_executor(
                 None, load_balance_peers, sum(t.numel() for t in tensors), download, min_vector_size)
             self._running_groups.setdefault(mix_id, asyncio.Future())  # unless a member's request made it

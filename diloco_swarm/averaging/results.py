@@ -48,7 +48,7 @@ class RoundResult:
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
-    matchmaking_s: float = 0.0
+    allreduce_s: float = 0.0  # of ``seconds``: the all-reduce alone, once the group formed (0 where none ran)
     rejected_peers: dict[str, str] = field(default_factory=dict)
     # peer id -> share of the values we reduced on which its part was an outlier, left out (allreduce.RoundStats.
     # outlier_senders): its Δ lay far from the others'; the round keeps the robust average
@@ -75,7 +75,8 @@ class RoundResult:
         ``avoided``: the peers our averager shuns after it (``avoided_peers``)."""
         return cls(ok=False, group_size=max(1, len(stats.group_peer_ids)), group_peer_ids=stats.group_peer_ids,
                    group_id=stats.group_id, gathered=gathered if gathered is not None else {},
-                   bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, rejected_peers=stats.named_peers,
+                   bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, allreduce_s=stats.allreduce_s,
+                   rejected_peers=stats.named_peers,
                    outlier_peers=dict(stats.outlier_senders), avoided_peers=avoided)
 
 

@@ -82,10 +82,19 @@ class Device(str, Enum):
 InnerOptimizer = Enum("InnerOptimizer", {name: name for name in INNER_OPTIMIZERS}, type=str)
 
 
+# the outer step's defaults (learning rate, Nesterov momentum) by --compression: DiLoCo's for the dense codecs; a
+# sparse average holds ~1% of the entries per round, and wants a longer step with less momentum (bench.sparse,
+# docs/decisions.md, *Sparse int8*)
+OUTER_STEP_DEFAULTS = {"int8": (0.7, 0.9), "fp16": (0.7, 0.9), "fp32": (0.7, 0.9),
+                       "sparse1-int8": (3.0, 0.3), "sparse2-int8": (3.0, 0.3)}
+
+
 class Compression(str, Enum):
     int8 = "int8"
     fp16 = "fp16"
     fp32 = "fp32"
+    sparse1_int8 = "sparse1-int8"  # = averaging/sparse.py SPARSE_MODES (not imported here: it loads hivemind)
+    sparse2_int8 = "sparse2-int8"
 
 
 MAX_THREADS = 256  # --threads: far beyond any CPU node; 100,000 made the OpenMP pool exhaust memory
@@ -121,9 +130,9 @@ def join(
     inner_steps: Annotated[int, typer.Option(min=1, help="H: inner AdamW steps between outer steps.", rich_help_panel=TRAINING)] = 500,
     seq_len: Annotated[int, typer.Option(min=8, help="Tokens (bytes) per training sequence.", rich_help_panel=TRAINING)] = 256,
     inner_lr: Annotated[float, typer.Option(help="Inner AdamW learning rate (> 0).", rich_help_panel=TRAINING)] = 1e-3,
-    outer_lr: Annotated[float, typer.Option(help="Outer SGD learning rate (> 0).", rich_help_panel=TRAINING)] = 0.7,
-    outer_momentum: Annotated[float, typer.Option(min=0.0, max=0.999, help="Outer Nesterov momentum (0 = plain SGD).", rich_help_panel=TRAINING)] = 0.9,
-    compression: Annotated[Compression, typer.Option(help="Pseudo-gradient encoding on the wire.", rich_help_panel=TRAINING)] = Compression.int8,
+    outer_lr: Annotated[Optional[float], typer.Option(help=f"Outer SGD learning rate (> 0). Default: {OUTER_STEP_DEFAULTS['int8'][0]:g}; {OUTER_STEP_DEFAULTS['sparse1-int8'][0]:g} with a sparse --compression.", show_default=False, rich_help_panel=TRAINING)] = None,
+    outer_momentum: Annotated[Optional[float], typer.Option(min=0.0, max=0.999, help=f"Outer Nesterov momentum (0 = plain SGD). Default: {OUTER_STEP_DEFAULTS['int8'][1]:g}; {OUTER_STEP_DEFAULTS['sparse1-int8'][1]:g} with a sparse --compression.", show_default=False, rich_help_panel=TRAINING)] = None,
+    compression: Annotated[Compression, typer.Option(help="Pseudo-gradient encoding on the wire: int8 (every value), or sparse1-int8 / sparse2-int8 (the top 1% / 2% of each chunk of 4096 values in int8, the rest kept as error feedback; for home uplinks).", rich_help_panel=TRAINING)] = Compression.int8,
     sync_mode: Annotated[SyncMode, typer.Option(help="overlap: keep training while the group averages, apply the outer step one round late (eager updates, arXiv 2502.12996); blocking: wait for each round (plain DiLoCo). See docs/architecture.md.", rich_help_panel=TRAINING)] = SyncMode.overlap,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the initial weights (shared) and of each peer's data order (mixed with its peer id).", rich_help_panel=TRAINING)] = 0,
     batch_size: Annotated[int, typer.Option(min=1, help="Sequences per inner step on this node.", rich_help_panel=LOCAL)] = 16,
@@ -158,6 +167,9 @@ def join(
     from diloco_swarm.node.config import NodeConfig
     from diloco_swarm.spec import RunSpec, run_id_problem
 
+    default_lr, default_momentum = OUTER_STEP_DEFAULTS[compression.value]
+    outer_lr = default_lr if outer_lr is None else outer_lr
+    outer_momentum = default_momentum if outer_momentum is None else outer_momentum
     # (the run spec's floats are checked by RunSpec, the bounded ones by their ranges)
     require_finite(matchmaking_time=matchmaking_time, averaging_window=averaging_window,
                    allreduce_timeout=allreduce_timeout)
@@ -248,7 +260,8 @@ def join(
         invitation=access.invitation,
         private_files=access.saves,
         join_flags=_spec_flags_to_repeat(dataset=dataset, model=model, tokenizer=tokenizer, inner_steps=inner_steps, seq_len=seq_len,
-                                         inner_lr=inner_lr, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                                         inner_lr=inner_lr, outer_lr=None if outer_lr == default_lr else outer_lr,
+                                         outer_momentum=None if outer_momentum == default_momentum else outer_momentum,
                                          compression=compression.value, seed=seed, sync_mode=sync_mode.value,
                                          max_dataset_bytes=max_dataset_bytes if dataset is not None else None),
     )

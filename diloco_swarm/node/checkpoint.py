@@ -11,7 +11,8 @@ only, their bytes read from the page cache as used. A state that this loader wou
 rejected at save time (the new file is read back, memory-mapped, before it replaces anything),
 never discovered at the next start.
 
-Format 2 holds θ_global and the outer momentum (8 B/param), the counters and the run spec; format 1
+Format 2 holds θ_global and the outer momentum (8 B/param), the counters and the run spec, and in a
+sparse mode the error-feedback residual (``feedback``, 4 B/param: node/feedback.py); format 1
 also held the inner optimizer's state (16 B/param in all) and still loads (its inner state is not
 used: docs/operations.md says what a resume loses).
 """

@@ -137,7 +137,8 @@ class RoundOutcome:
     ``group_key``: the planned group's key when the swarm averages in groups smaller than itself
     (``grouping.plan_round``; θ-mixing then merges their lineages), "" when it averages as one.
     ``stale``: our Δ was computed on a θ_global two or more outer steps behind the swarm's, so it
-    was not averaged and is dropped; ``state`` is the swarm's, to adopt.
+    was not averaged and is dropped; ``state`` is the swarm's, to adopt. ``selection``: in a sparse
+    mode, what the all-reduce sent of Δ + e (``round_policy.feedback_action`` decides its fate).
     """
 
     result: Any  # averaging.averager.RoundResult
@@ -148,6 +149,7 @@ class RoundOutcome:
     mixed: Any = None  # node.mixing.MixedState
     mixing: Any = None  # averaging.averager.RoundResult of the mixing all-reduce
     stale: bool = False
+    selection: Any = None  # node.feedback.Selection: what a sparse round sent of Δ + e (None: nothing sent)
 
 
 class Estimate:

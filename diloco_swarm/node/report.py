@@ -59,6 +59,7 @@ def round_fields(handoff: Any, outcome: Any, preview: Any) -> dict[str, Any]:
         "bytes_sent": result.bytes_sent + (mixing.bytes_sent if mixing else 0),
         "bytes_received": result.bytes_received + (mixing.bytes_received if mixing else 0),
         "averaging_s": round(result.seconds + (mixing.seconds if mixing else 0.0), 4),
+        "allreduce_s": round(result.allreduce_s, 4),
         "round_wall_s": round(time.monotonic() - handoff.started, 4),
         "previewed_tensors": preview.moved,
         "preview_lead_s": None if lead is None else round(lead, 3),

@@ -63,6 +63,7 @@ class RoundParts:
     catch_up: Callable[..., Any]
     reconcile: Callable[..., Any]
     mix: Callable[..., Any]
+    feedback: Any = None  # node.feedback.ErrorFeedback in a sparse mode: what the all-reduce sends of Δ
 
 
 class Round:
@@ -156,8 +157,8 @@ class Round:
         decision = policy.after_plan(planned, records, gone, me=p.peer_id, overlap=p.overlap)
         if not isinstance(decision, policy.Join):
             return self._skipped(decision, own)
-        result, average = self._all_reduce(handoff, control, decision)
-        return RoundOutcome(result, average, alone=alone, group_key=decision.group_key)
+        result, average, selection = self._all_reduce(handoff, control, decision)
+        return RoundOutcome(result, average, alone=alone, group_key=decision.group_key, selection=selection)
 
     @staticmethod
     def _skipped(decision: policy.Solo | policy.Skip, own: list) -> RoundOutcome:
@@ -169,24 +170,29 @@ class Round:
                 return RoundOutcome(RoundResult(ok=False, group_size=1, reason=reason), own, group_key=key)
 
     def _all_reduce(self, handoff: Handoff, control: RoundControl, join: policy.Join):
-        """The group's int8 all-reduce of Δ, verified (averaging/averager.py). The leader starts as soon
-        as every member is in (hivemind's target size): the matchmaking time on top only gives the
-        slower of them (a loaded machine reads the DHT slowly) time to find it."""
+        """The group's int8 all-reduce of Δ (in a sparse mode, of the feedback's selection of Δ + e),
+        verified (averaging/averager.py). The leader starts as soon as every member is in (hivemind's
+        target size): the matchmaking time on top only gives the slower of them (a loaded machine reads
+        the DHT slowly) time to find it. :returns: (result, the Δ to apply, the selection or None)."""
         p, plan = self.p, join.plan
+        selection = p.feedback.select(handoff.delta) if p.feedback is not None else None
         grid = bool(join.group_key)  # groups smaller than the swarm: θ-mixing keeps them one model
         p.history.resize(max(p.history_floor, history_length(plan.dims if grid else 1)))
         if grid:  # peers behind the swarm at our step join this round (grouping.round_number): say so now
             p.stats.averaging_round = plan.round_no
             p.housekeeping.publish_soon()
         try:
-            return p.averager.average(RoundRequest(
-                delta=handoff.delta, weight=max(handoff.tokens, 1),
+            result, average = p.averager.average(RoundRequest(
+                delta=handoff.delta if selection is None else selection.dense, weight=max(handoff.tokens, 1),
                 metadata=p.metadata(handoff), timeout=p.cfg.averaging_window, stop=control.stop,
                 give_up=control.give_up, digest_wait=DIGEST_WAIT_S, scheduled_time=join.due + p.cfg.matchmaking_time,
                 online_peers=join.online, group_bits=group_bits(join.group_key) if grid else "",
                 group_size=max(2, len(join.members) + 1), group_cap=plan.max_group_size, gone=self.gone_members,
                 members=list(join.members), members_due=join.due,
                 moved_on=lambda peers: self.moved_on(peers, plan.round_no)))
+            if selection is not None:
+                selection.dense = None  # (the averager's buffers hold it now; a failed round's ``average`` is this list)
+            return result, average, selection
         finally:
             p.stats.averaging_round = None
 

@@ -32,6 +32,7 @@ from typing import Any, Mapping
 
 from diloco_swarm.averaging.grouping import RoundPlan, plan_round, round_number
 from diloco_swarm.averaging.mixing import standing
+from diloco_swarm.node.feedback import Feedback
 
 ALIGN_SLACK_S = 1.0  # a round waits this long past the last expected member's hand-off
 MAX_CARRIED_ROUNDS = 2  # a peer late this many rounds in a row applies its carried Δ alone (bounded staleness)
@@ -225,3 +226,19 @@ def settle(outcome: Any, carried_rounds: int) -> AdoptMixed | AdoptState | Apply
     if outcome.state is not None:
         return AdoptState(carry=carry, wasted=not kept and not carry)
     return Apply() if kept or not carry else Hold()
+
+
+def feedback_action(decision: AdoptMixed | AdoptState | Apply | Hold, outcome: Any) -> Feedback:
+    """The error feedback's move for ``settle``'s ``decision`` on ``outcome`` (its ``selection`` is
+    None where the round sent nothing: a solo or skipped round applies Δ alone, a stale Δ is dropped)."""
+    match decision:
+        case AdoptState(wasted=True):
+            return Feedback.RESET
+        case Hold() | AdoptState(carry=True):
+            return Feedback.KEEP
+    if outcome.selection is None:
+        return Feedback.KEEP
+    if isinstance(decision, Apply) and not (outcome.result.ok or outcome.result.maybe_kept):
+        return Feedback.COMMIT_OWN
+    return Feedback.COMMIT_SENT
+

@@ -90,6 +90,7 @@ class Node(Startup):
         self.state_sync: StateSync | None = None  # join sync, reconcile, the end of a run (node/statesync.py), built at start
         self.mixer: ThetaMixer | None = None  # θ-mixing (node/mixing.py), built at start
         self.sync: OuterSync | None = None
+        self.feedback = None  # node.feedback.ErrorFeedback of a sparse --compression, built at start
         self.checkpoints = CheckpointWriter(config.state_dir, state=self._checkpoint_state, lock=self._state_lock,
                                             metrics=self.metrics, log=self.status.log, stop=self.stop)
         self.swarm = SwarmView()  # the others as their records say (node/swarm_view.py)
@@ -388,6 +389,9 @@ class Node(Startup):
                 with self.state.lock:
                     self.sync.hold(handoff.delta, estimate)
                 round_step = self.outer_step
+        if self.feedback is not None:  # a sparse mode: what the round sent of Δ + e leaves the residual (or not)
+            with self.state.lock:
+                self.feedback.settle(policy.feedback_action(decision, outcome), handoff.delta, outcome.selection)
         if decision.carry:
             self._carried = Carried.of(handoff)
             self.stats.late_rounds += 1
@@ -436,16 +440,11 @@ class Node(Startup):
         """What the checkpoint holds (node/checkpoint.py, format 2): the live tensors of θ_global and the
         outer momentum, not copies; hold the state lock while they are used. The inner optimizer's
         moments are not kept (docs/operations.md: what a resume loses)."""
-        return {
-            "spec": self.spec.model_dump(),
-            "spec_hash": self.spec.spec_hash(),
-            "peer_id": self.peer_id,
-            "outer_step": self.outer_step,
-            "restarted_below": self.state.restarted_below,
-            "inner_steps_total": self.stats.inner_steps_total,
-            "tokens_total": self.stats.tokens_total,
-            "outer": self.state.outer.state_dict(),
-        }
+        return {"spec": self.spec.model_dump(), "spec_hash": self.spec.spec_hash(), "peer_id": self.peer_id,
+                "outer_step": self.outer_step, "restarted_below": self.state.restarted_below,
+                "inner_steps_total": self.stats.inner_steps_total, "tokens_total": self.stats.tokens_total,
+                "outer": self.state.outer.state_dict(),  # a sparse mode's residual too (node/feedback.py)
+                **({"feedback": self.feedback.residual} if self.feedback is not None else {})}
 
     def _record_snapshot(self) -> dict[str, Any]:
         """This peer's public record (dht/records.py), read by `status` and the dashboard."""

@@ -20,6 +20,7 @@ import torch
 from diloco_swarm import __version__
 from diloco_swarm.averaging import averager as averager_module
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
+from diloco_swarm.averaging.sparse import SPARSE_MODES
 from diloco_swarm.dht.calls import ChildUnavailable
 from diloco_swarm.dht.publisher import PeerRecordPublisher
 from diloco_swarm.dht.records import live_records, owner_digest, read_peer_entries
@@ -32,6 +33,7 @@ from diloco_swarm.node.checkpoint import CheckpointError, checkpoint_path, load_
 from diloco_swarm.node.dylu import PhasePlanner
 from diloco_swarm.node.invitation import save_private_files
 from diloco_swarm.node.errors import NodeError
+from diloco_swarm.node.feedback import ErrorFeedback
 from diloco_swarm.node.global_state import GlobalState, theta_digest
 from diloco_swarm.node.assets import build_run_assets
 from diloco_swarm.node.inner import build_inner_optimizer
@@ -107,7 +109,10 @@ class Startup:
         self.supervisor.start(self.dht, self.averager, self._redial_known)
         self.stop.training = True
         self._wait_for_peers()
+        held = self.outer_step
         self.state_sync.join()
+        if self.feedback is not None and self.outer_step != held:  # a downloaded state: the residual stood on ours
+            self.feedback.reset()
         if self.stop.requested:
             return True  # the loop does not start; the leave writes the stop event
         self._evaluate_now()
@@ -260,7 +265,7 @@ class Startup:
             records=self.records, stats=self.stats, log=self.status.log, housekeeping=self.housekeeping, swarm=self.swarm, history=self.history,
             history_floor=self._history_floor, stop=self.stop.event, overlap=self.sync.overlap,
             client_mode=self.client_mode, metadata=self._round_metadata, catch_up=self.state_sync.catch_up,
-            reconcile=self.state_sync.reconcile, mix=self.mixer.mix))
+            reconcile=self.state_sync.reconcile, mix=self.mixer.mix, feedback=self.feedback))
         phase("record")
         if self.stop.requested:  # a stop came while we started: no banner, no start record (Node._start says so)
             return
@@ -310,6 +315,8 @@ class Startup:
         self.sync = OuterSync(outer, self.params, lambda handoff, control: self.round.run(handoff, control),
                               overlap=spec.sync_mode == "overlap", stop=self.stop.event)
         self.inner_opt = build_inner_optimizer(cfg.inner_optimizer, self.params, lr=spec.inner_lr)
+        sparse = SPARSE_MODES.get(spec.compression)  # the error feedback of a sparse mode (node/feedback.py)
+        self.feedback = ErrorFeedback([t.shape for t in outer.theta], sparse[0]) if sparse else None
         if checkpoint is not None:
             self._restore(checkpoint)
             self.checkpoints.on_disk = self.outer_step
@@ -381,6 +388,8 @@ class Startup:
             self.state.restarted_below = int(ckpt.get("restarted_below", 0))  # (absent before protocol 6)
             self.stats.inner_steps_total = int(ckpt["inner_steps_total"])
             self.stats.tokens_total = int(ckpt["tokens_total"])
+            if self.feedback is not None and "feedback" in ckpt:  # (a checkpoint of a dense mode has none: e = 0)
+                self.feedback.load(ckpt["feedback"])
             counters = {"outer_step": self.outer_step, "restarted_below": self.state.restarted_below,
                         "inner_steps_total": self.stats.inner_steps_total, "tokens_total": self.stats.tokens_total}
             negative = [f"{name} = {value}" for name, value in counters.items() if value < 0]
