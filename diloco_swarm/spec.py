@@ -77,14 +77,22 @@ class RunSpec(BaseModel):
         return {k: (mine[k], theirs.get(k)) for k in mine if mine[k] != theirs.get(k)}
 
 
+def differences_text(differences: dict[str, tuple[object, object]], theirs: str) -> str:
+    """``name: ours=A {theirs}=B, ...`` of :meth:`RunSpec.differences`; where --compression differs, a note that
+    the outer step's defaults follow it (cli/app.py ``OUTER_STEP_DEFAULTS``), so only one flag may be wrong."""
+    text = ", ".join(f"{k}: ours={a!r} {theirs}={b!r}" for k, (a, b) in differences.items())
+    if "compression" in differences and differences.keys() & {"outer_lr", "outer_momentum"}:
+        text += "; --outer-lr and --outer-momentum default by --compression"
+    return text
+
+
 class SpecMismatch(Exception):
     """This peer's spec differs from the one the run published in the DHT."""
 
     def __init__(self, run_id: str, differences: dict[str, tuple[object, object]]):
         self.differences = differences
-        parts = ", ".join(f"{k}: ours={a!r} swarm={b!r}" for k, (a, b) in differences.items())
         super().__init__(
-            f"run '{run_id}' uses a different run spec ({parts}); "
+            f"run '{run_id}' uses a different run spec ({differences_text(differences, 'swarm')}); "
             "pass matching flags, or choose another --run-id to start a new run"
         )
 

@@ -159,6 +159,35 @@ def test_truncated_or_foreign_buffers_and_a_wrong_count_are_refused():
         decode(buf, x.numel() + 1, K)
 
 
+def test_a_few_bytes_cannot_claim_a_huge_part_codes_encode_never_sends_are_refused_and_so_is_minus_zero():
+    n = 2 * sparse.PART_VALUES  # all counts 0: 6 bytes per chunk would decode to 8 MB
+    empty = sparse._HEADER.pack(sparse._MAGIC, sparse._VERSION, CHUNK, n) + bytes(6 * (n // CHUNK))
+    with pytest.raises(CodecError, match="a part may hold"):
+        decode(empty, None, K)
+    x = gaussian(CHUNK, seed=8)
+    buf = bytearray(encode(x, K))
+    codes_at = len(buf) - int(np.frombuffer(bytes(buf), "<u2", 1, sparse._HEADER.size)[0])
+    for code in (0, -128):
+        bad = bytearray(buf)
+        bad[codes_at] = code & 0xFF
+        with pytest.raises(CodecError, match="code of 0 or -128"):
+            decode(bytes(bad), CHUNK, K)
+    bad = bytearray(buf)
+    struct.pack_into("<f", bad, sparse._HEADER.size + 2, -0.0)
+    with pytest.raises(CodecError, match="negative"):
+        decode(bytes(bad), CHUNK, K)
+
+
+def test_a_state_download_refuses_a_tensor_in_any_codec_but_fp32_before_decoding_it():
+    from hivemind.utils.streaming import split_for_streaming
+
+    from diloco_swarm.averaging.state_sharing import tensor_from_parts
+
+    message = SparseInt8Codec(K).compress(gaussian(CHUNK), None)
+    with pytest.raises(ValueError, match="incomplete or malformed"):
+        tensor_from_parts(list(split_for_streaming(message, 1024)))
+
+
 def test_an_average_may_hold_each_senders_entries_only_when_sent_as_is():
     parts = [roundtrip(gaussian(CHUNK, seed=s), K) for s in range(4)]
     mean = torch.stack(parts).mean(0)
@@ -236,6 +265,11 @@ def test_feedback_action_follows_what_the_outer_step_did_with_the_round():
     assert act(policy.AdoptState(carry=False, wasted=True), NS(result=failed, selection=None)) is Feedback.RESET
     assert act(policy.AdoptState(carry=False, wasted=False), NS(result=ok, selection=sel)) is Feedback.COMMIT_SENT
     assert act(policy.AdoptMixed(), NS(result=ok, selection=sel)) is Feedback.COMMIT_SENT
+    # a round we may have kept, then a state that includes it: what we sent is in it (settle counts Δ wasted)
+    assert act(policy.AdoptState(carry=False, wasted=True),
+               NS(result=maybe, selection=sel, state=NS(includes_round=True))) is Feedback.COMMIT_SENT
+    assert act(policy.AdoptState(carry=False, wasted=True),
+               NS(result=maybe, selection=sel, state=NS(includes_round=False))) is Feedback.RESET
 
 
 # --- real averagers over 127.0.0.1 ---------------------------------------------------------------

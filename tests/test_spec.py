@@ -167,3 +167,13 @@ def test_parse_published_spec_accepts_good_and_refuses_malformed():
                 {**spec().model_dump(), "outer_lr": math.inf}):
         assert parse_published_spec(raw) is None
 
+
+
+def test_a_compression_mismatch_says_the_outer_step_follows_it():
+    from diloco_swarm.spec import differences_text
+
+    ours, theirs = spec(), spec(compression="sparse1-int8", outer_lr=3.0, outer_momentum=0.3)
+    text = differences_text(ours.differences(theirs), "swarm")
+    assert "compression: ours='int8' swarm='sparse1-int8'" in text
+    assert text.endswith("--outer-lr and --outer-momentum default by --compression")
+    assert "default by" not in differences_text(ours.differences(spec(outer_lr=1.0)), "swarm")

@@ -364,13 +364,11 @@ class ConsensusAllReduceRunner(AllReduceRunner):
             return f"sent a part with RMS {part_rms:.3g}, {SIZE_REASON} {bound:.3g}"
         return None
 
-    def _decode_part(self, serialized) -> torch.Tensor:
+    def _decode_part(self, serialized) -> torch.Tensor | None:
         """A sender's part, decoded by our codec instance (a sparse one knows the run's entries per chunk);
-        a part in another codec by its own, to be refused by :meth:`_check_sender_part`.
+        None for a part in another codec, never decoded (:meth:`_check_sender_part` refuses it first).
         :raises CodecError: a malformed part."""
-        if serialized.compression == self._compression.compression_type:
-            return self._compression.extract(serialized)
-        return deserialize_torch_tensor(serialized)
+        return self._compression.extract(serialized) if serialized.compression == self._compression.compression_type else None
 
     def _decode_average(self, serialized) -> torch.Tensor:
         """A reducer's average (checked for its codec by the caller). :raises CodecError: a malformed one."""

@@ -162,7 +162,10 @@ def declared_shape(serialized: runtime_pb2.Tensor, codec: str) -> tuple[tuple[in
     shape = tuple(int(s) for s in serialized.size)
     if any(s < 0 for s in shape):
         raise CodecError(f"{codec} part declares a negative dimension")
-    return shape, int(np.prod(shape, dtype=np.int64)) if shape else 1
+    numel = 1
+    for s in shape:  # (Python ints: a product past int64 is just large, refused by the decoder)
+        numel *= s
+    return shape, numel
 
 
 class Int8BlockwiseCodec(CompressionBase):

@@ -35,7 +35,7 @@ from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.compression import serialization as _hm_serialization
 from hivemind.proto import runtime_pb2
 
-from diloco_swarm.averaging.codec import MAX_VALUES_PER_PART, CodecError, declared_shape
+from diloco_swarm.averaging.codec import CodecError, declared_shape
 
 CHUNK = 4096  # values per chunk; indices within a chunk take 12 bits
 _MAGIC = b"SQ8"
@@ -43,7 +43,7 @@ _VERSION = 1
 _HEADER = struct.Struct("<3sBIQ")  # magic, version, chunk, n_values
 _LEVELS = 127.0
 _MIN_SCALE = 1e-30  # a chunk whose absmax is below this sends nothing (127 / absmax would overflow fp32)
-PART_VALUES = 1 << 20  # hivemind's part of a sparse all-reduce: 256 chunks (see estimate_compression_ratio)
+PART_VALUES = 1 << 20  # hivemind's part of a sparse all-reduce: 256 chunks (see estimate_compression_ratio); the most a part holds
 # the sparse modes of ``--compression``: (entries kept per chunk of CHUNK values: 1% and 2%, rounded; whether a
 # reducer cuts its average back to that many). The "-cut" modes are measured (bench wire, bench quality), not offered
 SPARSE_MODES: dict[str, tuple[int, bool]] = {"sparse1-int8": (41, False), "sparse2-int8": (82, False),
@@ -152,7 +152,9 @@ def decode(buffer: bytes, expected_numel: int | None, max_per_chunk: int) -> tor
     magic, version, chunk, n = _HEADER.unpack_from(buffer, 0)
     if magic != _MAGIC or version != _VERSION or chunk != CHUNK:
         raise CodecError("sparse buffer has an unknown magic, version or chunk size")
-    if n > MAX_VALUES_PER_PART or (expected_numel is not None and n != expected_numel):
+    if n > PART_VALUES:  # (a few bytes per chunk must not decode to gigabytes)
+        raise CodecError(f"sparse buffer holds {n} values, more than the {PART_VALUES} a part may hold")
+    if expected_numel is not None and n != expected_numel:
         raise CodecError(f"sparse buffer holds {n} values, expected {expected_numel}")
     if n == 0:
         if len(buffer) != _HEADER.size:
@@ -174,10 +176,12 @@ def decode(buffer: bytes, expected_numel: int | None, max_per_chunk: int) -> tor
     expected_len = offset + packed_index_bytes(m) + m
     if len(buffer) != expected_len:
         raise CodecError(f"sparse buffer is {len(buffer)} bytes; its counts ({m} entries) need {expected_len}")
-    if not np.isfinite(absmax).all() or (absmax < 0).any():
+    if not np.isfinite(absmax).all() or np.signbit(absmax).any():
         raise CodecError("sparse buffer has non-finite or negative chunk scales")
     within = _unpack12(np.frombuffer(buffer, dtype=np.uint8, count=packed_index_bytes(m), offset=offset), m)
     codes = np.frombuffer(buffer, dtype=np.int8, count=m, offset=offset + packed_index_bytes(m))
+    if m and ((codes == 0).any() or (codes == -128).any()):  # encode never sends either: 0 is not an entry
+        raise CodecError("sparse buffer has a code of 0 or -128")
     chunk_of = np.repeat(np.arange(n_chunks, dtype=np.int64), counts)
     if (within >= chunk_len[chunk_of]).any():
         raise CodecError("sparse buffer has an index out of range")
@@ -191,8 +195,12 @@ def decode(buffer: bytes, expected_numel: int | None, max_per_chunk: int) -> tor
 
 
 def roundtrip(values: torch.Tensor, k: int) -> torch.Tensor:
-    """``decode(encode(values, k))`` shaped like ``values``: what a receiving peer sees."""
-    return decode(encode(values, k), values.numel(), k).reshape(values.shape)
+    """What a receiving peer sees of ``values`` sent with ``k`` entries per chunk, shaped like ``values``:
+    ``decode(encode(·))`` of each part of :data:`PART_VALUES` values cut from its start, as hivemind cuts a
+    tensor (a part's chunks are its tensor's, so the cut changes nothing but the size a decode allows)."""
+    flat = values.detach().reshape(-1)
+    parts = [decode(encode(p, k), p.numel(), k) for p in flat.split(PART_VALUES)]
+    return (torch.cat(parts) if parts else torch.zeros(0)).reshape(values.shape)
 
 
 def wire_bytes(n_values: int, n_entries: int) -> int:
@@ -205,7 +213,7 @@ class SparseInt8Codec(CompressionBase):
 
     A sender's part keeps ``per_chunk`` entries of each chunk; a reducer's average of ``n`` such parts
     holds up to ``n · per_chunk`` non-zeros per chunk, sent as they are (``resparsify=False``: every member
-    applies the exact mean of the sparse parts, as an all-gather would give it) or cut back to the top
+    applies the mean of the sparse parts, int8 again, as an all-gather would give it) or cut back to the top
     ``per_chunk`` (``resparsify=True``: half the upload, the rest of the average lost). Registered under the
     ``UNIFORM_8BIT`` wire enum (:func:`register_codec`); the all-reduce decodes with the instance of its
     run (:meth:`extract`, :meth:`extract_average`), which knows how many entries a chunk may carry.

@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Callable
 import torch
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_dht_time, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
@@ -97,7 +97,10 @@ def tensor_from_parts(parts: list) -> torch.Tensor:
         mid-transfer) or the donor sent garbage. One line, instead of torch's reshape error.
     """
     try:
-        return deserialize_torch_tensor(combine_from_streaming(parts))
+        whole = combine_from_streaming(parts)
+        if whole.compression != runtime_pb2.CompressionType.NONE:  # donors send fp32 (hivemind's state_compression)
+            raise ValueError("a compressed state tensor")  # (another codec's decoder could grow a few bytes to GBs)
+        return deserialize_torch_tensor(whole)
     except Exception:
         raise ValueError("a tensor in the state stream is incomplete or malformed (did the donor leave mid-transfer?)") from None
 

@@ -11,12 +11,14 @@ happens to it is ``round_policy.feedback_action``'s decision, applied by the nod
 * the group's average (or a mix or state that includes it) was applied: ``commit`` what the wire
   carried (``sent``); our own selection applied alone (a failed round no longer carried): ``commit``
   the selection's exact values;
-* a late round (Δ carried to the next round): nothing, the next round sends Δ + e again;
-* our Δ dropped (caught up, a state adopted without our round): ``reset``: the residual stands on
-  the same stale θ_global as the dropped Δ;
+* a late round, or a state adopted while Δ is carried: nothing, the next round sends Δ + e again;
+* our Δ dropped (caught up, a state adopted that lacks our round, Δ not carried): ``reset``: the
+  residual stands on the same stale θ_global as the dropped Δ;
 * a solo or skipped round applies Δ alone: nothing, the residual waits for the next group.
 
-A state download gives a joiner θ_global, never a residual (it is a peer's own): it starts at zero.
+A state download gives a joiner θ_global, never a residual (it is a peer's own): it starts at zero,
+and a node that downloads a state (a join, the end of a run: ``StateSync.download_and_adopt``) resets
+its own before that state's checkpoint is written.
 """
 
 from __future__ import annotations

@@ -230,9 +230,12 @@ def settle(outcome: Any, carried_rounds: int) -> AdoptMixed | AdoptState | Apply
 
 def feedback_action(decision: AdoptMixed | AdoptState | Apply | Hold, outcome: Any) -> Feedback:
     """The error feedback's move for ``settle``'s ``decision`` on ``outcome`` (its ``selection`` is
-    None where the round sent nothing: a solo or skipped round applies Δ alone, a stale Δ is dropped)."""
+    None where the round sent nothing: a solo or skipped round applies Δ alone, a stale Δ is dropped).
+    A state adopted after a round we may have kept (``maybe_kept``) that includes the round holds what
+    we sent: commit it, though ``settle`` counts the round's Δ wasted."""
+    sent = outcome.selection is not None and (outcome.result.ok or outcome.result.maybe_kept)
     match decision:
-        case AdoptState(wasted=True):
+        case AdoptState(wasted=True) if not (sent and outcome.state.includes_round):  # our Δ dropped
             return Feedback.RESET
         case Hold() | AdoptState(carry=True):
             return Feedback.KEEP

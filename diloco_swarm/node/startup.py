@@ -46,6 +46,7 @@ from diloco_swarm.node.reachability import ReachabilityAtStart, is_loopback
 from diloco_swarm.node.redial import gone_peers
 from diloco_swarm.node.round import Round, RoundParts
 from diloco_swarm.node.statesync import StateSync
+from diloco_swarm.spec import differences_text
 
 ROUND_MARGIN_S = 30.0  # past the round's own time bounds, a phase gives the round up
 WAIT_READ_EVERY_S = 1.0  # the start barrier reads the records (and pings the peers) this often
@@ -109,10 +110,7 @@ class Startup:
         self.supervisor.start(self.dht, self.averager, self._redial_known)
         self.stop.training = True
         self._wait_for_peers()
-        held = self.outer_step
         self.state_sync.join()
-        if self.feedback is not None and self.outer_step != held:  # a downloaded state: the residual stood on ours
-            self.feedback.reset()
         if self.stop.requested:
             return True  # the loop does not start; the leave writes the stop event
         self._evaluate_now()
@@ -173,9 +171,10 @@ class Startup:
             if theirs.get("organiser") != spec.organiser:  # public vs private, or another organiser's run
                 raise NodeError(_organiser_mismatch(cfg.state_dir, theirs.get("run_id"), theirs.get("organiser"),
                                                     spec.organiser))
-            diffs = ", ".join(k for k in spec.model_dump() if spec.model_dump()[k] != theirs.get(k))
+            ours = spec.model_dump()
+            diffs = differences_text({k: (v, theirs.get(k)) for k, v in ours.items() if v != theirs.get(k)}, "checkpoint")
             raise NodeError(
-                f"state dir {cfg.state_dir} holds a checkpoint of a different run spec (differs in: {diffs}); "
+                f"state dir {cfg.state_dir} holds a checkpoint of a different run spec ({diffs}); "
                 "use another --state-dir, or the flags of that run"
             )
 
@@ -257,7 +256,7 @@ class Startup:
             self.state, sync=self.sync, params=self.params, averager=self.averager, dht=self.dht, spec=spec, cfg=cfg,
             peer_id=self.peer_id, client_mode=self.client_mode, stats=self.stats, metrics=self.metrics,
             records=self.records, swarm=self.swarm, checkpoints=self.checkpoints, evaluate_now=self._evaluate_now,
-            stop=self.stop, log=self.status.log)
+            stop=self.stop, log=self.status.log, feedback=self.feedback)
         self.mixer = ThetaMixer(self.state, averager=self.averager, peer_id=self.peer_id, stats=self.stats,
                                 supported_step=lambda: self.state_sync.evidence().supported_step, log=self.status.log)
         self.round = Round(RoundParts(

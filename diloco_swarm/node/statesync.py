@@ -73,11 +73,12 @@ class StateSync:
     def __init__(self, state: GlobalState, *, sync: Any, params: list[torch.Tensor], averager: Any, dht: Any,
                  spec: Any, cfg: Any, peer_id: str, client_mode: bool, stats: Any, metrics: Any, records: Any,
                  swarm: Any, checkpoints: Any, evaluate_now: Callable[[], None], stop: Any,
-                 log: Callable[[str], None]):
+                 log: Callable[[str], None], feedback: Any = None):
         self.state, self.sync, self.params, self.averager, self.dht = state, sync, params, averager, dht
         self.spec, self.cfg, self.peer_id, self.client_mode = spec, cfg, peer_id, client_mode
         self.stats, self.metrics, self.records, self.swarm = stats, metrics, records, swarm
         self.checkpoints, self.evaluate_now, self.stop, self.log = checkpoints, evaluate_now, stop, log
+        self.feedback = feedback  # node.feedback.ErrorFeedback in a sparse mode: a downloaded state drops its residual
         self._unsupported_claims: set[str] = set()  # peers warned of once (:meth:`_warn_unsupported`)
 
     def _check(self, meta: Any, tensors: list[torch.Tensor], min_step: int) -> str | None:
@@ -413,6 +414,8 @@ class StateSync:
         if state is None:
             return False
         self.adopt(state)
+        if self.feedback is not None:  # our residual stood on the state we left (rule 64); before the checkpoint
+            self.feedback.reset()
         self.checkpoints.write_now()
         return True
 
