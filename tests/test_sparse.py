@@ -348,6 +348,29 @@ def test_three_averagers_in_a_sparse_mode_apply_one_verified_average_of_what_eac
 
 
 @pytest.mark.timeout(180)
+def test_a_member_sending_minus_8_times_its_selection_is_left_out_named_and_the_rest_agree():
+    # the robust reducers (averaging/robust.py) on sparse parts: honest Δs share a direction, as trained ones do
+    shapes = [torch.Size(s) for s in SHAPES]
+    common = _deltas(100)
+    deltas = [[c + 0.3 * d for c, d in zip(common, _deltas(i))] for i in range(4)]
+    selections = [ErrorFeedback(shapes, K).select(d) for d in deltas]
+    inputs = [s.dense for s in selections[:3]] + [[-8.0 * t for t in selections[3].dense]]
+    with _averagers("sparse-hostile", 4, "sparse1-int8") as averagers:
+        hostile = averagers[-1].peer_id.to_base58()
+        results = _round(averagers, inputs)
+    assert all(r is not None and r.ok for r, _ in results), [r for r, _ in results]
+    assert len({r.digest for r, _ in results}) == 1
+    named = [r for r, _ in results[:3] if hostile in r.outlier_peers]
+    assert named, [r.outlier_peers for r, _ in results]  # the reducers that hold its parts leave them out
+    for i, avg in enumerate(results[0][1]):  # the honest members' mean of what they sent, int8 again
+        sent = torch.zeros(3, avg.numel())
+        for j in range(3):
+            sent[j][selections[j].positions[i]] = selections[j].sent[i]
+        mean = sent.mean(0)
+        assert float((avg.reshape(-1) - mean).abs().max()) <= float(mean.abs().max()) / 254 + 1e-9
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind", ["duplicate", "too-many"])
 def test_a_member_sending_malformed_sparse_parts_is_refused_and_named(kind):
     feedbacks = [ErrorFeedback([torch.Size(s) for s in SHAPES], K) for _ in range(3)]
