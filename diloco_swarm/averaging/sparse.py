@@ -31,6 +31,7 @@ import struct
 
 import numpy as np
 import torch
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.compression import serialization as _hm_serialization
 from hivemind.proto import runtime_pb2
@@ -259,12 +260,7 @@ class SparseInt8Codec(CompressionBase):
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         # not the byte ratio: chosen so hivemind's parts hold PART_VALUES values (a whole number of chunks)
-        return _hm_part_bytes() / (4.0 * PART_VALUES)
-
-
-def _hm_part_bytes() -> int:
-    from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
-    return DEFAULT_PART_SIZE_BYTES
+        return DEFAULT_PART_SIZE_BYTES / (4.0 * PART_VALUES)
 
 
 class _AnySparse(SparseInt8Codec):

@@ -57,9 +57,6 @@ class Selection:
     raw: list[torch.Tensor]
     sent: list[torch.Tensor]
 
-    def sent_values(self) -> int:
-        return sum(int((s != 0).sum()) for s in self.sent)
-
 
 class ErrorFeedback:
     """The residual ``e`` and the selection of each round (module docstring).
