@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -288,8 +289,8 @@ def test_bad_input_is_one_line_and_exit_2(bad_input_runs, case):
 # --- export ------------------------------------------------------------------------------------
 
 
-def _fake_trained_state(state_dir, model_name, seed=3, **spec_changes):
-    """A checkpoint as a node writes it, with θ_global moved away from the initial weights."""
+def _fake_trained_state(state_dir, model_name, seed=3, extra=None, **spec_changes):
+    """A checkpoint as a node writes it, with θ_global moved away from the initial weights (``extra``: more keys)."""
     from diloco_swarm.models.registry import build, resolve_model
     from diloco_swarm.node.checkpoint import save_checkpoint
     from diloco_swarm.node.outer import OuterOptimizer
@@ -300,7 +301,7 @@ def _fake_trained_state(state_dir, model_name, seed=3, **spec_changes):
             p.add_(torch.randn_like(p) * 0.05)
     s = spec(model=model_name, seed=seed, **spec_changes)
     save_checkpoint(state_dir, {"spec": s.model_dump(), "outer": OuterOptimizer(built.module.parameters()).state_dict(),
-                                "outer_step": 4, "tokens_total": 1000})
+                                "outer_step": 4, "tokens_total": 1000, **(extra or {})})
     return built.module
 
 
@@ -317,6 +318,44 @@ def test_byte_preset_exports_as_gpt2_with_identical_logits(tmp_path):
     with torch.no_grad():
         assert torch.allclose(loaded(input_ids=x).logits, trained(x)[0], atol=1e-5)
     assert json.loads((tmp_path / "out" / "diloco-export.json").read_text())["outer_step"] == 4
+
+
+def test_the_export_has_a_model_card_with_the_loss_curve_and_the_contributors(tmp_path):
+    """README.md loads with huggingface_hub's ModelCard: the run spec in its YAML, the held-out loss by
+    outer step from STATE_DIR/metrics.jsonl (this node's records only), and the contributors of the
+    node's last leaderboard, first-hand rows apart from self-reported ones; a name cannot break the table."""
+    from huggingface_hub import ModelCard
+
+    from diloco_swarm.dht.ledger import leaderboard
+    from diloco_swarm.node.export import export_model
+
+    me, partner, boaster = "QmMe", "QmPartner", "QmBoaster"
+    rec = lambda peer, name, tokens, rounds, with_: {  # noqa: E731
+        "peer_id": peer, "name": name, "tokens_total": tokens, "verified_rounds": rounds, "uptime_s": 600.0,
+        "rounds_with": [{"peer_id": p, "rounds": r, "tokens": t} for p, r, t in with_]}
+    rows = leaderboard([rec(me, "alice", 1000, 4, [(partner, 4, 900)]), rec(partner, "bob", 900, 4, [(me, 4, 1000)]),
+                        rec(boaster, "eve | <b>", 10**9, 40, [])], first_hand={me, partner})
+    ledger = {"verified_rounds": 4, "rounds_with": [[partner, 4, 900]], "leaderboard": rows}
+    _fake_trained_state(tmp_path / "state", "tiny", extra={"peer_id": me, "ledger": ledger})
+    lines = [{"event": "eval", "peer_id": me, "outer_step": 0, "eval_loss": 5.5},
+             {"event": "outer_step", "peer_id": me, "outer_step": 2, "eval_outer_step": 2, "eval_loss": 3.25},
+             {"event": "outer_step", "peer_id": "QmOther", "outer_step": 3, "eval_outer_step": 3, "eval_loss": 0.1},
+             {"event": "outer_step", "peer_id": me, "outer_step": 4, "eval_outer_step": 4, "eval_loss": 2.5}]
+    (tmp_path / "state" / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\nnot json\n")
+    info = export_model(tmp_path / "state", tmp_path / "out")
+    assert "README.md" in info["files"]
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    data = card.data.to_dict()
+    assert data["library_name"] == "transformers" and data["diloco_swarm"]["outer_steps"] == 4
+    assert data["diloco_swarm"]["tokens_trained"] == 1000 and data["diloco_swarm"]["inner_steps"] == spec().inner_steps
+    table = [line for line in card.text.splitlines() if line.startswith("| ")]
+    assert [t for t in table if t.split("|")[1].strip() in ("0", "2", "3", "4")] == [
+        "| 0 | 5.5000 |", "| 2 | 3.2500 |", "| 4 | 2.5000 |"]
+    by_name = {t.split("|")[1].strip(): t for t in table}
+    assert "first-hand" in by_name["alice"] and "first-hand" in by_name["bob"]
+    boasts = [t for t in table if boaster in t]
+    assert len(boasts) == 1 and "self-reported" in boasts[0] and "eve \\| &lt;b&gt;" in boasts[0]
+    assert len(re.findall(r"(?<!\\)\|", boasts[0])) == 8  # the name's "|" is escaped: still 7 cells
 
 
 def test_an_export_follows_the_umask(tmp_path):

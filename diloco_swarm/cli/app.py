@@ -373,17 +373,20 @@ def demo(
 def export(
     state_dir: Annotated[Path, typer.Option(help="State dir of a node that trained (holds checkpoint.pt).")] = Path("diloco-state"),
     out: Annotated[Path, typer.Option(help="New folder to write the Hugging Face model into (must not exist, or be empty).")] = Path("diloco-export"),
+    metrics_file: Annotated[Optional[Path], typer.Option(help="The node's --metrics-file, for the model card's held-out loss curve (default: STATE_DIR/metrics.jsonl, when it exists).")] = None,
 ) -> None:
     """Write θ_global of a node's checkpoint as a Hugging Face model folder (config.json, model.safetensors,
     and the run's tokenizer files; a byte-level run has none: token id = byte value) that
-    transformers.AutoModelForCausalLM.from_pretrained(OUT) loads."""
+    transformers.AutoModelForCausalLM.from_pretrained(OUT) loads, and its model card (README.md: the run
+    spec, tokens and outer steps, the held-out loss curve, and the contributors from the node's last view
+    of the run's ledger)."""
     require_node("export")
     # lazy: torch
     from diloco_swarm.node.checkpoint import CheckpointError
     from diloco_swarm.node.export import ExportError, export_model
 
     try:
-        info = export_model(state_dir, out)
+        info = export_model(state_dir, out, metrics_file=metrics_file)
     except (ExportError, CheckpointError) as e:
         raise fail(str(e))
     except OSError as e:

@@ -52,6 +52,7 @@ MAX_MADDRS = 8
 MAX_MADDR = 256
 MAX_AVOIDED = 16  # peers a record names as avoided (the newest kept)
 MAX_WHY = 160  # characters of the reason given for each
+MAX_PARTNERS = 32  # peers a record lists in rounds_with (the most recent partners kept)
 
 
 # An owner subkey holds the owner's public key as ``[owner:<ssh-rsa key>]``: the same pattern as
@@ -82,6 +83,18 @@ class AvoidedPeer(pv1.BaseModel):
 
     peer_id: pv1.constr(strict=True, min_length=1, max_length=MAX_PEER_ID, regex=PEER_ID_PATTERN)
     why: pv1.constr(strict=True, max_length=MAX_WHY)
+
+    class Config:
+        extra = pv1.Extra.forbid
+
+
+class RoundsWith(pv1.BaseModel):
+    """A partner of this peer's verified rounds (dht/ledger.py): ``rounds`` verified rounds shared with
+    ``peer_id`` and the ``tokens`` (the partner's round weight, as it gathered it to the group) in them."""
+
+    peer_id: pv1.constr(strict=True, min_length=1, max_length=MAX_PEER_ID, regex=PEER_ID_PATTERN)
+    rounds: pv1.conint(strict=True, ge=0, le=MAX_COUNT)
+    tokens: pv1.conint(strict=True, ge=0, le=MAX_COUNT)
 
     class Config:
         extra = pv1.Extra.forbid
@@ -165,6 +178,10 @@ class PeerRecord(pv1.BaseModel):
     # the outer step of the θ_global whose held-out loss eval_loss is (None with no eval_loss, and in
     # records of older versions): early in a run it is behind the training loss's θ_local
     eval_outer_step: Optional[pv1.conint(strict=True, ge=0, le=MAX_COUNT)] = None
+    # the contribution ledger (dht/ledger.py): this peer's verified rounds since it first joined the run
+    # (its own word), and what it witnessed of its most recent partners (the evidence for theirs)
+    verified_rounds: pv1.conint(strict=True, ge=0, le=MAX_COUNT) = 0
+    rounds_with: pv1.conlist(RoundsWith, max_items=MAX_PARTNERS) = []
 
     class Config:
         extra = pv1.Extra.forbid
@@ -184,7 +201,8 @@ _STR_LIMITS = {"peer_id": MAX_PEER_ID, "name": MAX_NAME, "version": MAX_SHORT, "
                "precision": MAX_SHORT}
 _INT_LIMITS = {"outer_step": MAX_COUNT, "restarted_below": MAX_COUNT, "tokens_total": MAX_COUNT,
                "bytes_sent": MAX_COUNT,
-               "bytes_received": MAX_COUNT, "last_round_group_size": MAX_GROUP, "failed_rounds": MAX_COUNT}
+               "bytes_received": MAX_COUNT, "last_round_group_size": MAX_GROUP, "failed_rounds": MAX_COUNT,
+               "verified_rounds": MAX_COUNT}
 _FLOAT_LIMITS = {"tokens_per_s": MAX_RATE, "last_round_s": MAX_SECONDS, "goodput": 1.0, "uptime_s": MAX_SECONDS,
                  "updated": MAX_TIME, "inner_step_s": MAX_SECONDS, "phase_eta": MAX_TIME}
 _OPTIONAL_FLOAT_LIMITS = {"loss": MAX_LOSS, "eval_loss": MAX_LOSS}
@@ -232,6 +250,7 @@ def normalize_snapshot(snapshot: dict[str, Any], *, now: float | None = None) ->
     round_in_flight = snapshot.get("averaging_round")
     out["averaging_round"] = None if round_in_flight is None else _int(round_in_flight, MAX_COUNT)
     out["avoided_peers"] = avoided_of(snapshot.get("avoided_peers"))
+    out["rounds_with"] = rounds_with_of(snapshot.get("rounds_with"))
     out["admission"] = snapshot.get("admission")  # invites.Invitation.admission_pass(), or None
     at = snapshot.get("eval_outer_step")
     out["eval_outer_step"] = None if out["eval_loss"] is None or at is None else _int(at, MAX_COUNT)
@@ -257,6 +276,23 @@ def avoided_of(raw: Any) -> list[dict[str, str]]:
     out = [{"peer_id": peer, "why": str(why or "")[:MAX_WHY]} for peer, why in pairs
            if isinstance(peer, str) and len(peer) <= MAX_PEER_ID and _PEER_ID.match(peer)]
     return out[-MAX_AVOIDED:]
+
+
+def rounds_with_of(raw: Any) -> list[dict[str, Any]]:
+    """The ``rounds_with`` of a record from a snapshot's peer id -> ``(rounds, tokens)`` (oldest partner
+    first), or the record's own list of ``{"peer_id", "rounds", "tokens"}``: malformed peer ids dropped,
+    counts clamped to [0, :data:`MAX_COUNT`], the newest (last) :data:`MAX_PARTNERS` kept."""
+    if isinstance(raw, dict):
+        triples = [(peer, *(value if isinstance(value, (list, tuple)) and len(value) == 2 else (value, 0)))
+                   for peer, value in raw.items()]
+    elif isinstance(raw, (list, tuple)):
+        triples = [(item.get("peer_id"), item.get("rounds"), item.get("tokens")) for item in raw if isinstance(item, dict)]
+    else:
+        return []
+    out = [{"peer_id": peer, "rounds": _int(rounds, MAX_COUNT), "tokens": _int(tokens, MAX_COUNT)}
+           for peer, rounds, tokens in triples
+           if isinstance(peer, str) and len(peer) <= MAX_PEER_ID and _PEER_ID.match(peer)]
+    return out[-MAX_PARTNERS:]
 
 
 def _finite(value: Any) -> bool:

@@ -27,12 +27,14 @@ from diloco_swarm.models.gpt import build_model
 from diloco_swarm.models.registry import BYTE_PRESETS, LLAMA_PRESET_NAMES
 from diloco_swarm.node.assets import ASSETS_FILE, MODEL_DIR
 from diloco_swarm.node.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+from diloco_swarm.node.model_card import CARD_NAME, loss_curve, model_card
 from diloco_swarm.spec import RunSpec
 
 # "lazy": transformers (~0.6 s) and its classes (AutoConfig ~0.3 s, GPT-2's ~1.2 s) load on first use:
 # an export, and node_model (tests), load only those of their model.
 
 EXPORT_INFO = "diloco-export.json"
+METRICS_NAME = "metrics.jsonl"  # export reads STATE_DIR/metrics.jsonl for the card's loss curve unless told another
 _GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
@@ -124,10 +126,13 @@ def gpt_to_gpt2(module: nn.Module):
     return gpt2.eval()
 
 
-def export_model(state_dir: Path, out: Path) -> dict[str, Any]:
-    """Write θ_global of ``state_dir``'s checkpoint as a Hugging Face model folder ``out``.
+def export_model(state_dir: Path, out: Path, metrics_file: Path | None = None) -> dict[str, Any]:
+    """Write θ_global of ``state_dir``'s checkpoint as a Hugging Face model folder ``out``, with its model
+    card (``README.md``: node/model_card.py).
 
     The folder is written next to ``out`` and renamed into place, so ``out`` is complete or absent.
+    ``metrics_file``: the node's ``--metrics-file``, for the card's held-out loss curve (default
+    ``STATE_DIR/metrics.jsonl``; a missing file leaves the curve out).
 
     Returns:
         what was exported: model identity, outer step, architecture, files written.
@@ -164,6 +169,8 @@ def export_model(state_dir: Path, out: Path) -> dict[str, Any]:
                 "tokenizer_files": tokenizer_files,
                 "note": "token id = byte value (UTF-8)" if spec.tokenizer == "byte" else None}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1))
+        curve = loss_curve(metrics_file or state_dir / METRICS_NAME, str(ckpt.get("peer_id") or "") or None)
+        (tmp / CARD_NAME).write_text(model_card(spec, ckpt, info, curve), encoding="utf-8")
         _follow_umask(tmp)
         if out.exists():
             out.rmdir()  # empty (checked above)

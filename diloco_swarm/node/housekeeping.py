@@ -8,6 +8,7 @@ import contextlib
 import time
 from typing import Any, Callable
 
+from diloco_swarm.dht.ledger import leaderboard
 from diloco_swarm.dht.records import read_peer_records
 from diloco_swarm.dht.swarm import refresh_run_spec
 from diloco_swarm.node.round_policy import SILENT_RECORDS
@@ -23,15 +24,16 @@ class Housekeeping:
     def __init__(self, *, stats: Any, swarm: Any, log: Callable[[str], None], stop: Any):
         self.stats, self.swarm, self.log, self.stop = stats, swarm, log, stop
         self.spec = self.dht = self.records = self.remember_peers = None  # set by start()
+        self.me = ""  # our peer id (set by start()): our own row of the leaderboard is first-hand
         self._worker = Worker("housekeeping")
         self._reconnect = Worker("reconnect")
         self._last_reconnect = 0.0  # time.monotonic() of the last ReconnectPeers pass
         self._reconnecting = None  # its future: one pass at a time
         self._unreachable_said = 0  # peers the last pass could not reach, as last logged
 
-    def start(self, spec: Any, dht: Any, records: Any, remember_peers: Callable[[dict], None]) -> None:
-        """Once the DHT runs and our record is published (``spec``: the run spec, RunSpec)."""
-        self.spec, self.dht, self.records, self.remember_peers = spec, dht, records, remember_peers
+    def start(self, spec: Any, dht: Any, records: Any, remember_peers: Callable[[dict], None], me: str = "") -> None:
+        """Once the DHT runs and our record is published (``spec``: the run spec, RunSpec; ``me``: our peer id)."""
+        self.spec, self.dht, self.records, self.remember_peers, self.me = spec, dht, records, remember_peers, me
 
     def submit(self, fn: Callable[[], Any]):
         """Run ``fn`` on the housekeeping thread. :raises RuntimeError: it is closed."""
@@ -44,7 +46,7 @@ class Housekeeping:
 
     def upkeep(self) -> None:
         """Publish our record, refresh the run spec, read the swarm's records (peers seen, their speeds
-        for DyLU, the addresses kept for restarts), and put peers the DHT dropped under load back into
+        for DyLU, the addresses kept for restarts, the leaderboard), and put peers the DHT dropped under load back into
         its routing table. Never raises."""
         with contextlib.suppress(Exception):
             self.records.publish_now()
@@ -55,6 +57,8 @@ class Housekeeping:
             # outlives it unchanged): the status line's `peers N`
             self.stats.peers_seen = 1 + len(self.swarm.live(records, SILENT_RECORDS * self.records.interval_s))
             self.remember_peers(records)
+            if records:  # our last view of the ledger, kept in the checkpoint for export's model card
+                self.stats.leaderboard = leaderboard(records, first_hand={self.me, *self.stats.rounds_with})
         now = time.monotonic()
         busy = self._reconnecting is not None and not self._reconnecting.done()
         if now - self._last_reconnect >= REDIAL_EVERY_S and self.swarm.recent_peers and not busy:

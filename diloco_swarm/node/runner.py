@@ -370,7 +370,7 @@ class Node(Startup):
             handoff, outcome, estimate = self.sync.take(timeout=timeout if wait else 0)
         finally:
             self.stats.averaging_s += time.monotonic() - t0  # time the training thread waited for the round
-        self.stats.count_round(outcome.result, mixing=outcome.mixing)
+        self.stats.count_round(outcome.result, mixing=outcome.mixing, me=self.peer_id)
         self._ended_alone = outcome.alone and outcome.state is None and outcome.mixed is None
         self._ended_in_grid = bool(outcome.group_key)  # groups smaller than the swarm: lineages by design
         round_step = handoff.outer_step + 1
@@ -444,6 +444,7 @@ class Node(Startup):
                 "outer_step": self.outer_step, "restarted_below": self.state.restarted_below,
                 "inner_steps_total": self.stats.inner_steps_total, "tokens_total": self.stats.tokens_total,
                 "outer": self.state.outer.state_dict(),  # a sparse mode's residual too (node/feedback.py)
+                "ledger": self.stats.ledger_state(),  # our rounds, our partners', our last leaderboard (dht/ledger.py)
                 **({"feedback": self.feedback.residual} if self.feedback is not None else {})}
 
     def _record_snapshot(self) -> dict[str, Any]:

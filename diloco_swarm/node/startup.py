@@ -251,7 +251,7 @@ class Startup:
                                            updated_path=cfg.state_dir / "record.updated", organiser=spec.organiser)
         self.records.start()
         self.swarm.me = self.peer_id
-        self.housekeeping.start(spec, self.dht, self.records, self._remember_peers)
+        self.housekeeping.start(spec, self.dht, self.records, self._remember_peers, me=self.peer_id)
         self.state_sync = StateSync(
             self.state, sync=self.sync, params=self.params, averager=self.averager, dht=self.dht, spec=spec, cfg=cfg,
             peer_id=self.peer_id, client_mode=self.client_mode, stats=self.stats, metrics=self.metrics,
@@ -387,6 +387,7 @@ class Startup:
             self.state.restarted_below = int(ckpt.get("restarted_below", 0))  # (absent before protocol 6)
             self.stats.inner_steps_total = int(ckpt["inner_steps_total"])
             self.stats.tokens_total = int(ckpt["tokens_total"])
+            self.stats.load_ledger(ckpt.get("ledger"))  # (absent before the ledger: counts start at 0)
             if self.feedback is not None and "feedback" in ckpt:  # (a checkpoint of a dense mode has none: e = 0)
                 self.feedback.load(ckpt["feedback"])
             counters = {"outer_step": self.outer_step, "restarted_below": self.state.restarted_below,

@@ -7,11 +7,13 @@ docs/dashboard.md) is a field here or derived from one, so the three views never
 from __future__ import annotations
 
 import time
-from collections import deque
+import math
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from diloco_swarm.dht.lineages import MAX_THETA_MARKS
+from diloco_swarm.dht.records import MAX_PARTNERS
 
 
 @dataclass
@@ -49,6 +51,11 @@ class NodeStats:
     live: dict[str, Any] = field(default_factory=dict)  # the running phase: inner_step, phase_steps, loss, tokens_per_s
     # (outer step, θ digest) our own rounds produced, newest last: the swarm's lineages (dht/lineages.py)
     theta_marks: deque = field(default_factory=lambda: deque(maxlen=MAX_THETA_MARKS))
+    # the contribution ledger (dht/ledger.py), kept in the checkpoint: our verified rounds, and per partner
+    # of our most recent verified rounds [rounds shared, the tokens it weighed in them], oldest first
+    verified_rounds: int = 0
+    rounds_with: OrderedDict = field(default_factory=OrderedDict)
+    leaderboard: list = field(default_factory=list)  # our last view of the run's ledger (housekeeping.py)
 
     def wall_s(self) -> float:
         return time.monotonic() - self.started
@@ -58,8 +65,11 @@ class NodeStats:
         total = self.wall_s()
         return min(1.0, max(0.0, (self.inner_s - self.wasted_inner_s) / total)) if total > 0 else 0.0
 
-    def count_round(self, result, mixing=None) -> None:
-        """Account one applied round (``averaging.results.RoundResult``) and its θ-mixing round, if any."""
+    def count_round(self, result, mixing=None, me: str = "") -> None:
+        """Account one applied round (``averaging.results.RoundResult``) and its θ-mixing round, if any;
+        ``me``: our peer id (a verified round's other members go into ``rounds_with``)."""
+        if result.ok:
+            self.count_partners(result.group_peer_ids, result.gathered, me)
         if not result.ok and result.group_size >= 2:
             self.failed_rounds += 1
         elif result.group_size < 2:
@@ -72,10 +82,46 @@ class NodeStats:
         if result.avoided_peers is not None:  # (a new dict: the publisher thread may be reading the old one)
             self.avoided_peers = dict(result.avoided_peers)
 
+    def count_partners(self, group: list[str], gathered: dict[str, Any], me: str) -> None:
+        """One verified round with ``group`` (peer ids, us included); ``gathered``: peer id -> the metadata
+        it gathered to the group, whose ``weight`` is the tokens behind its Δ."""
+        self.verified_rounds += 1
+        partners = OrderedDict(self.rounds_with)  # a new dict: the publisher thread may be reading the old one
+        for peer in group:
+            if peer == me:
+                continue
+            meta = gathered.get(peer)
+            weight = meta.get("weight") if isinstance(meta, dict) else None
+            tokens = int(weight) if isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0 else 0
+            rounds, total = partners.pop(peer, (0, 0))
+            partners[peer] = (rounds + 1, total + tokens)  # newest last
+        while len(partners) > MAX_PARTNERS:
+            partners.popitem(last=False)
+        self.rounds_with = partners
+
+    def ledger_state(self) -> dict[str, Any]:
+        """The checkpoint's ``ledger``: plain lists, dicts and numbers (``torch.load(weights_only=True)``)."""
+        return {"verified_rounds": self.verified_rounds,
+                "rounds_with": [[p, int(r), int(t)] for p, (r, t) in self.rounds_with.items()],
+                "leaderboard": [dict(row) for row in self.leaderboard]}
+
+    def load_ledger(self, state: Any) -> None:
+        """Restore :meth:`ledger_state` (absent in older checkpoints: nothing is restored)."""
+        if not isinstance(state, dict):
+            return
+        self.verified_rounds = max(0, int(state.get("verified_rounds", 0)))
+        partners = OrderedDict()
+        for item in state.get("rounds_with") or []:
+            if isinstance(item, (list, tuple)) and len(item) == 3 and isinstance(item[0], str):
+                partners[item[0]] = (max(0, int(item[1])), max(0, int(item[2])))
+        self.rounds_with = partners
+        self.leaderboard = [row for row in state.get("leaderboard") or [] if isinstance(row, dict)]
+
     def totals(self) -> dict[str, Any]:
         """The cumulative fields of every ``outer_step`` metrics record."""
         return {
             "tokens_total": self.tokens_total,
+            "verified_rounds": self.verified_rounds,
             "failed_rounds": self.failed_rounds,
             "solo_rounds": self.solo_rounds,
             "late_rounds": self.late_rounds,
@@ -119,4 +165,6 @@ class NodeStats:
             "averaging_round": self.averaging_round,
             "theta_marks": self.theta_marks.copy(),  # copy(): the publisher reads it on its own thread
             "avoided_peers": self.avoided_peers,
+            "verified_rounds": self.verified_rounds,
+            "rounds_with": self.rounds_with,  # replaced, never changed in place: safe to read from the publisher
         }

@@ -1,0 +1,103 @@
+"""The contribution ledger: who trained how much, and how much of it other peers' records back.
+
+A pure function of the peers' signed records (records.py), shared by ``status``, the dashboard, the
+node (which keeps its last view in its checkpoint for ``export``'s model card) and the light client:
+it imports neither hivemind nor torch.
+
+Every figure in a record is its peer's own word. Two of them are backed by others: in each verified
+round (averaging/results.py ``RoundResult.ok``) every member sees the group's peer ids and the weight
+(tokens) each member gathered to the group, and counts them in its record's ``rounds_with`` (its
+:data:`~diloco_swarm.dht.records.MAX_PARTNERS` most recent partners). A peer's **confirmed** rounds
+(and tokens) are the largest count that another peer's record holds for it: a lower bound, exact
+when every group holds the whole swarm. Groups smaller than the swarm (a Moshpit grid) spread a
+peer's rounds over several partners, none of whom saw them all, so confirmed rounds fall below
+the truth there; a peer whose partners left the run loses its witnesses. A witness is a peer too:
+two peers in collusion can vouch for each other (docs/decisions.md, "The contribution ledger").
+
+    rows = leaderboard(records)                        # records: {peer_id: PeerRecord or its dict}
+    rows[0] -> {"name", "peer_id", "tokens", "confirmed_tokens", "share", "confirmed_share",
+                "verified_rounds", "confirmed_rounds", "witnesses", "uptime_s", "self_reported", "why"}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+# Rounds a peer's claim may run ahead of its witnesses' records: each record is re-signed every 5 s,
+# so a round just verified shows in the peer's record before (or after) it shows in its partners'.
+LAG_ROUNDS = 2
+NAME_ID_CHARS = 8  # a peer without a name is shown by the first characters of its peer id
+MAX_ROWS = 1024  # as many as records.MAX_RECORDS: a reader never holds more
+
+
+def _fields(record: Any) -> dict[str, Any]:
+    """A record as a dict: a PeerRecord (pydantic), or a row that already is one."""
+    return record if isinstance(record, Mapping) else record.dict()
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def display_name(record: Mapping[str, Any]) -> str:
+    """The peer's ``name``, or the first :data:`NAME_ID_CHARS` characters of its peer id."""
+    return str(record.get("name") or "") or str(record.get("peer_id") or "")[:NAME_ID_CHARS]
+
+
+def witnessed(records: Iterable[Mapping[str, Any]]) -> dict[str, tuple[int, int, int]]:
+    """peer id -> (confirmed rounds, confirmed tokens, witnesses): the largest ``rounds`` and ``tokens``
+    that another peer's ``rounds_with`` holds for it (each maximum on its own), and how many records list
+    it. A record's entry for itself is ignored."""
+    out: dict[str, tuple[int, int, int]] = {}
+    for record in records:
+        me = record.get("peer_id")
+        for entry in record.get("rounds_with") or ():
+            peer = entry.get("peer_id")
+            if not isinstance(peer, str) or peer == me:
+                continue
+            rounds, tokens, n = out.get(peer, (0, 0, 0))
+            out[peer] = (max(rounds, _count(entry.get("rounds"))), max(tokens, _count(entry.get("tokens"))), n + 1)
+    return out
+
+
+def leaderboard(records: Mapping[str, Any] | Iterable[Any], *, first_hand: Iterable[str] = ()) -> list[dict[str, Any]]:
+    """Leaderboard rows of the run's peers, most confirmed tokens first (then tokens, then name).
+
+    :param records: ``{peer_id: PeerRecord}`` (records.live_records), or records or their dicts (the
+        rows of ``status`` and the dashboard hold every record field).
+    :param first_hand: peer ids whose rounds the reader counted itself (a node: the peers it averaged
+        with, and itself): their rows say ``first_hand``.
+    :returns: one dict per peer: ``name`` (display name), ``peer_id``, ``tokens`` (claimed),
+        ``confirmed_tokens``, ``share`` and ``confirmed_share`` (of the run's claimed / confirmed tokens,
+        0..1; None while the run has none), ``verified_rounds`` (claimed), ``confirmed_rounds``,
+        ``witnesses`` (records that list it), ``uptime_s``, ``first_hand``, ``self_reported`` (its
+        claims run ahead of what others back by more than :data:`LAG_ROUNDS` rounds: rounds, or tokens
+        beyond its confirmed tokens plus ``LAG_ROUNDS`` rounds' worth of them; tokens of rounds nobody
+        else saw, a solo round's, are self-reported too) and ``why`` (what is not backed; "" if nothing).
+    """
+    values = list(records.values()) if isinstance(records, Mapping) else list(records)
+    dicts = [_fields(r) for r in values][:MAX_ROWS]
+    backed = witnessed(dicts)
+    known = set(first_hand)
+    rows = []
+    for r in dicts:
+        peer = str(r.get("peer_id") or "")
+        claimed_rounds, tokens = _count(r.get("verified_rounds")), _count(r.get("tokens_total"))
+        rounds, confirmed_tokens, witnesses = backed.get(peer, (0, 0, 0))
+        per_round = confirmed_tokens / rounds if rounds else 0.0
+        why = []
+        if claimed_rounds > rounds + LAG_ROUNDS:
+            why.append(f"claims {claimed_rounds} verified rounds, others' records back {rounds}")
+        if tokens > confirmed_tokens + LAG_ROUNDS * per_round:
+            why.append(f"claims {tokens} tokens, others' records back {confirmed_tokens}")
+        uptime = r.get("uptime_s")
+        rows.append({"name": display_name(r), "peer_id": peer, "tokens": tokens, "confirmed_tokens": min(tokens, confirmed_tokens),
+                     "verified_rounds": claimed_rounds, "confirmed_rounds": min(claimed_rounds, rounds) if claimed_rounds else rounds,
+                     "witnesses": witnesses, "uptime_s": float(uptime) if isinstance(uptime, (int, float)) else 0.0,
+                     "first_hand": peer in known, "self_reported": bool(why), "why": "; ".join(why)})
+    total, confirmed_total = sum(r["tokens"] for r in rows), sum(r["confirmed_tokens"] for r in rows)
+    for row in rows:
+        row["share"] = row["tokens"] / total if total else None
+        row["confirmed_share"] = row["confirmed_tokens"] / confirmed_total if confirmed_total else None
+    rows.sort(key=lambda r: (-r["confirmed_tokens"], -r["tokens"], r["name"], r["peer_id"]))
+    return rows
