@@ -23,6 +23,8 @@ Every ``--fault`` adds one fault (any number; none: an honest node); the other a
   claim-ahead      this peer claims an outer step 1000 ahead of its own everywhere others read it (round
                    metadata, state donation, its signed record and donor priority), with its real
                    θ_global: a forged "newest state" that would make the others download its model
+  boast            this peer's signed record claims 10x its tokens (plus 10^6) and 20 verified rounds more than it
+                   had (its rounds and their weights stay honest): the ledger must show it self-reported
   drop-part        as a reducer, this peer refuses every other member's part (a hostile leader or
                    reducer that drops honest members' contributions)
   lonely           this peer looks for its groups under a key no other peer uses, so it waits in
@@ -92,6 +94,7 @@ from diloco_swarm.node.global_state import theta_digest  # noqa: E402
 DISK_FULL_AFTER = 1  # checkpoint writes that succeed
 HUGE_FACTOR = 1e6
 CLAIM_AHEAD_STEPS = 1000
+BOAST_TOKENS, BOAST_ROUNDS = 10**6, 20  # a boasting peer claims 10x its tokens plus these, and these more rounds
 STALL_MARKER_NAME = "allreduce-stalled"
 WITHHOLD_MARKER_NAME = "digest-withheld"
 WITHHOLD_DIGEST_S = 10.0
@@ -193,6 +196,13 @@ class ClaimAheadNode(Node):
         step = record["outer_step"] + CLAIM_AHEAD_STEPS
         marks = [*record.get("theta_marks", []), (step, theta_digest(self.state.theta))]
         return {**record, "outer_step": step, "theta_marks": marks}
+
+
+class BoastingNode(Node):
+    def _record_snapshot(self):
+        record = super()._record_snapshot()
+        return {**record, "tokens_total": 10 * record["tokens_total"] + BOAST_TOKENS,
+                "verified_rounds": record["verified_rounds"] + BOAST_ROUNDS}
 
 
 class CopiedPass(OurPass):
@@ -412,7 +422,8 @@ def faulty_averager(faults: tuple[type[PseudoGradientAverager], ...], state_dir:
 
 
 # --- the entry point ------------------------------------------------------------------------------
-NODE_FAULTS: dict[str, type[Node]] = {"claim-ahead": ClaimAheadNode, "disk-full": DiskFullNode, "late-end": LateEndNode,
+NODE_FAULTS: dict[str, type[Node]] = {"claim-ahead": ClaimAheadNode, "boast": BoastingNode, "disk-full": DiskFullNode,
+                                      "late-end": LateEndNode,
                                       "late-before-end": LateBeforeEndNode, "slowdown": SlowInnerSteps,
                                       "dump-rounds": DumpRoundsNode, "clock-step": ClockStepNode,
                                       "uninvited": UninvitedNode}
@@ -428,7 +439,7 @@ VALUED = {"slowdown": ("F", "a finite number F ≥ 1", lambda x: x >= 1.0),
           "direction": ("F", "a finite number F > 0", lambda x: x > 0.0),
           "clock-step": ("S@T", "seconds S ≠ 0 and T ≥ 0", None)}  # clock-step: parse_clock_step
 FAULTS = ("nan", "huge", "scale", "direction", "plain-mean", "stall-allreduce", "withhold-digest", "claim-ahead",
-          "drop-part", "lonely", "disk-full", "late-end", "late-before-end", "slowdown", "dump-rounds",
+          "boast", "drop-part", "lonely", "disk-full", "late-end", "late-before-end", "slowdown", "dump-rounds",
           "slow-donation", "clock-step", "uninvited")  # in the order of the help
 
 

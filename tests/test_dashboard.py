@@ -265,6 +265,38 @@ def test_http_routes_and_headers():
         assert metrics.headers["content-type"].startswith("text/plain")
 
 
+def test_leaderboard_and_a_volunteer_page_of_its_own():
+    """``/api/v1/state`` holds the leaderboard; ``/peer/{id}`` and ``/api/v1/peer/{id}`` show one peer (its
+    witnesses, its θ marks and who holds them, what is self-reported, names escaped); an unknown peer is a 404."""
+    from starlette.testclient import TestClient
+
+    marks = [{"step": 3, "digest": "ab" * 8}]
+    with_ = lambda *peers: [{"peer_id": p, "rounds": 3, "tokens": 1000} for p in peers]  # noqa: E731
+    st = SwarmState("r")
+    st.update([entry("a", rec("PeerA", verified_rounds=3, rounds_with=with_("PeerB"), theta_marks=marks), time.time() + 15),
+               entry("b", rec("PeerB", name=HOSTILE_NAME, verified_rounds=3, rounds_with=with_("PeerA"), theta_marks=marks),
+                     time.time() + 15),
+               entry("c", rec("PeerC", name="boaster", tokens_total=10**12, verified_rounds=90), time.time() + 15)])
+    with TestClient(create_app(st, refresh_s=2.0)) as client:
+        board = {e["peer_id"]: e for e in client.get("/api/v1/state").json()["leaderboard"]}
+        assert board["PeerA"]["confirmed_rounds"] == 3 and not board["PeerA"]["self_reported"]
+        assert board["PeerC"]["self_reported"] and board["PeerC"]["confirmed_rounds"] == 0
+        page = client.get("/")
+        assert 'id="leaderboard"' in page.text and 'href="peer/PeerA"' in page.text and "self-reported" in page.text
+        doc = client.get("/api/v1/peer/PeerA").json()
+        assert doc["peer"]["peer_id"] == "PeerA" and doc["ledger"]["confirmed_tokens"] == 1000
+        assert [w["peer_id"] for w in doc["witnessed_by"]] == ["PeerB"] and doc["theta_marks"][0]["held_by"] == ["PeerB"]
+        assert "tokens_total" in doc["self_reported"] and set(doc["history"]) == {"t", "loss", "tokens_per_s", "outer_step"}
+        html = client.get("/peer/PeerA")
+        assert html.status_code == 200 and 'id="witnesses"' in html.text and 'id="theta-marks"' in html.text
+        assert "<img" not in html.text and "unsafe-inline" not in html.headers["content-security-policy"]
+        assert "self-reported" in client.get("/peer/PeerC").text
+        for path in ("/api/v1/peer/Nobody", "/peer/Nobody", "/api/v1/peer/" + "x" * 300, "/peer/%3Cscript%3E"):
+            missing = client.get(path)
+            assert missing.status_code == 404 and "<script" not in missing.text, path
+        assert "error" in client.get("/api/v1/peer/Nobody").json()
+
+
 def test_poller_survives_a_raising_reader(tmp_path):
     st = SwarmState("r", path=tmp_path / HISTORY_FILE)
     calls = []

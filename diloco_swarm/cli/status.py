@@ -228,6 +228,27 @@ def render_table(rows: list[dict[str, Any]], run_id: str, width: int = 120) -> T
     return table
 
 
+def render_leaderboard(board: list[dict[str, Any]]) -> Table:
+    """The contributors (dht/ledger.py ``leaderboard``): tokens and verified rounds as claimed, with what
+    other peers' records confirm; ``self-reported`` where the claims run ahead of them."""
+    from diloco_swarm.dashboard.charts import fmt_duration, fmt_si  # lazy: pydantic
+
+    table = Table(title=Text("contributors"), title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
+                  pad_edge=False, padding=(0, 1))
+    table.add_column("contributor", min_width=10, overflow="fold")
+    for head in ("tokens", "confirmed", "share", "rounds", "confirmed"):
+        table.add_column(head, justify="right", no_wrap=True)
+    table.add_column("uptime", justify="right", no_wrap=True)
+    table.add_column("evidence", no_wrap=True)
+    for e in board:
+        share = "–" if e["share"] is None else f"{100 * e['share']:.1f}%"
+        evidence = (Text("self-reported", style="yellow") if e["self_reported"]
+                    else Text(f"{e['witnesses']} peer{'s' if e['witnesses'] != 1 else ''}" if e["witnesses"] else "–"))
+        table.add_row(Text(printable(e["name"])), fmt_si(e["tokens"]), fmt_si(e["confirmed_tokens"]), share,
+                      str(e["verified_rounds"]), str(e["confirmed_rounds"]), fmt_duration(e["uptime_s"]), evidence)
+    return table
+
+
 def summary_line(totals: dict[str, Any]) -> str:
     from diloco_swarm.dashboard.charts import fmt_held_out, fmt_si  # lazy: pydantic
 
@@ -260,6 +281,7 @@ def status(
     # lazy: pydantic
     from diloco_swarm.spec import run_id_problem
     from diloco_swarm.dashboard.state import summarize
+    from diloco_swarm.dht.ledger import leaderboard
 
     require_finite(stale_after=stale_after)
     # piped (a log, a script): rows of one line each, not folded to rich's 80-column default ($COLUMNS wins)
@@ -281,8 +303,9 @@ def status(
         raise fail("could not read the swarm's records from the DHT; check --initial-peers and try again")
     rows, refused = looked
     totals = {**summarize(rows), "refused": len(refused)}
+    board = leaderboard(rows)
     if json_output:
-        doc = {"run_id": run_id, "time": round(time.time(), 3), "summary": totals, "peers": rows}
+        doc = {"run_id": run_id, "time": round(time.time(), 3), "summary": totals, "peers": rows, "leaderboard": board}
         print(json.dumps(doc, indent=2, allow_nan=False))
         if not rows:
             raise typer.Exit(NO_PEERS)  # a script tells an empty run from a live one by the code alone
@@ -294,6 +317,7 @@ def status(
         raise typer.Exit(NO_PEERS)
     out.print(render_table(rows, run_id, width=out.width))
     out.print(Text(summary_line(totals)), soft_wrap=True)
+    out.print(render_leaderboard(board))
     if totals["lineage"]["warning"]:
         out.print(Text("warning: " + totals["lineage"]["warning"], style="yellow"), soft_wrap=True)
     for line in avoided_lines(totals):

@@ -1,7 +1,8 @@
 """The dashboard web app (Starlette) and the DHT poller that feeds it.
 
 Routes: ``/`` (the page), ``/fragment`` (its live part, for the page's refresh script),
-``/api/v1/state`` (JSON, see docs/dashboard.md), ``/metrics`` (Prometheus text), ``/healthz``.
+``/api/v1/state`` (JSON, see docs/dashboard.md), ``/peer/{peer_id}`` and ``/api/v1/peer/{peer_id}`` (one
+volunteer's page and its JSON; 404 for a peer no record names), ``/metrics`` (Prometheus text), ``/healthz``.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from starlette.routing import Route
 
 from diloco_swarm import __version__
 from diloco_swarm.dashboard.metrics import CONTENT_TYPE, make_registry, render_metrics
-from diloco_swarm.dashboard.render import content_security_policy, render_live, render_page
+from diloco_swarm.dashboard.render import content_security_policy, render_live, render_page, render_peer_page
 from diloco_swarm.dashboard.state import SwarmState
-from diloco_swarm.dht.records import PeerEntry
+from diloco_swarm.dht.records import MAX_PEER_ID, PeerEntry
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,23 @@ def create_app(state: SwarmState, poller: Poller | None = None, *, refresh_s: fl
         history = request.query_params.get("history", "1") not in ("0", "false", "no")
         return JSONResponse(state.snapshot(history=history), headers=security)
 
+    def _peer(request: Request) -> tuple[str, dict | None]:
+        peer_id = request.path_params["peer_id"]
+        return peer_id, (state.peer_doc(peer_id) if len(peer_id) <= MAX_PEER_ID else None)
+
+    async def peer_page(request: Request) -> Response:
+        peer_id, doc = _peer(request)
+        return HTMLResponse(render_peer_page(doc, peer_id=peer_id, run_id=state.run_id, version=__version__),
+                            status_code=404 if doc is None else 200,
+                            headers={**security, "Content-Security-Policy": csp})
+
+    async def api_peer(request: Request) -> Response:
+        peer_id, doc = _peer(request)
+        if doc is None:
+            return JSONResponse({"error": f"no record of peer {peer_id[:MAX_PEER_ID]} in run {state.run_id}"},
+                                status_code=404, headers=security)
+        return JSONResponse(doc, headers=security)
+
     async def metrics(request: Request) -> Response:
         return Response(render_metrics(registry), media_type=CONTENT_TYPE, headers=security)
 
@@ -113,6 +131,8 @@ def create_app(state: SwarmState, poller: Poller | None = None, *, refresh_s: fl
             Route("/", page),
             Route("/fragment", fragment),
             Route("/api/v1/state", api_state),
+            Route("/peer/{peer_id}", peer_page),
+            Route("/api/v1/peer/{peer_id}", api_peer),
             Route("/metrics", metrics),
             Route("/healthz", healthz),
             Route("/favicon.ico", favicon),

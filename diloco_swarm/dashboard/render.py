@@ -11,6 +11,7 @@ import base64
 import hashlib
 import time
 from typing import Any
+from urllib.parse import quote
 
 from diloco_swarm.dashboard.charts import (
     PALETTE_SIZE, fmt_bytes, fmt_duration, fmt_float, fmt_held_out, fmt_si, legend, line_chart, short_id, text,
@@ -194,6 +195,41 @@ def _states_legend(doc: dict[str, Any]) -> str:
     )
 
 
+def _peer_link(peer_id: Any, label: str, base: str = "") -> str:
+    """A link to a volunteer's page (``{base}peer/{peer_id}``: relative, so the page works under a path prefix)."""
+    return f'<a href="{base}peer/{text(quote(str(peer_id or ""), safe=""), 200)}">{label}</a>'
+
+
+def _ledger_note(e: dict[str, Any]) -> str:
+    if e.get("self_reported"):
+        return f'<span class="badge self" title="{text(e.get("why"), 400)}">self-reported</span>'
+    n = int(e.get("witnesses") or 0)
+    return f'<span class="dim">backed by {n} peer{"s" if n != 1 else ""}</span>' if n else '<span class="dim">–</span>'
+
+
+def _leaderboard(doc: dict[str, Any]) -> str:
+    """The contributors, most confirmed tokens first (dht/ledger.py); each name links to its page."""
+    heads = ["#", "Contributor", "Tokens", "Share", "Verified rounds", "Uptime", "Evidence"]
+    body = []
+    for i, e in enumerate(doc.get("leaderboard") or [], 1):
+        share, confirmed = e.get("share"), e.get("confirmed_share")
+        cells = [str(i), _peer_link(e.get("peer_id"), f'<b class="name">{text(e.get("name"), 64)}</b>'),
+                 f'{fmt_si(e.get("tokens"))}<br><span class="dim">{fmt_si(e.get("confirmed_tokens"))} confirmed</span>',
+                 ("–" if share is None else f"{100 * share:.1f}%")
+                 + f'<br><span class="dim">{"–" if confirmed is None else f"{100 * confirmed:.1f}%"} of confirmed</span>',
+                 f'{int(e.get("verified_rounds") or 0)}<br><span class="dim">{int(e.get("confirmed_rounds") or 0)} confirmed</span>',
+                 fmt_duration(e.get("uptime_s")), _ledger_note(e)]
+        body.append('<tr class="lb">' + "".join(f'<td data-label="{h}">{c}</td>' for h, c in zip(heads, cells)) + "</tr>")
+    if not body:
+        return ""
+    th = "".join(f"<th>{h}</th>" for h in heads)
+    return (f'<section class="card leaderboard"><h2>Contributors</h2><div class="scroll"><table id="leaderboard" class="plain">'
+            f'<thead><tr>{th}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
+            '<p class="dim note">Each peer reports its own tokens and rounds; <em>confirmed</em> is the most that another '
+            "peer's record says it shared in verified rounds (a lower bound: groups smaller than the swarm confirm "
+            "less). <em>self-reported</em>: claims beyond what others back.</p></section>")
+
+
 def render_live(doc: dict[str, Any], now: float | None = None) -> str:
     """The part of the page that refreshes: status bar, totals, charts, peer table."""
     now = doc.get("generated", time.time()) if now is None else now
@@ -205,7 +241,7 @@ def render_live(doc: dict[str, Any], now: float | None = None) -> str:
     else:
         status = '<span class="dot bad"></span>cannot read the DHT right now; showing the last known state'
     return (f'<p class="status" id="status">{status}</p>' + _lineage_warning(doc) + _totals(doc) + _charts(doc, colors, now)
-            + _peer_table(doc, colors) + _avoided(doc))
+            + _peer_table(doc, colors) + _avoided(doc) + _leaderboard(doc))
 
 
 CSS = """
@@ -255,6 +291,7 @@ tr.stale td{opacity:.55}tr.gone td{opacity:.38}tr.gone .name{text-decoration:lin
 .warning{color:var(--bad);font-weight:600;margin:4px 0 10px}
 .badge.online{color:var(--ok)}.badge.stale{color:var(--warn)}.badge.gone{color:var(--dim)}
 .dim{color:var(--dim)}.bad{color:var(--bad)}
+.leaderboard,.avoided-list{margin-top:12px}.badge.self{color:var(--warn)}.note{font-size:.82rem;margin:8px 0 0}
 .avoided-list{margin-top:12px}.avoided-list ul{margin:0;padding-left:18px;font-size:.88rem}
 .states{list-style:none;padding:0;margin:10px 0 0;display:flex;flex-wrap:wrap;gap:4px 18px;color:var(--dim);font-size:.82rem}
 footer{color:var(--dim);font-size:.82rem;padding:16px}footer a{color:inherit}
@@ -270,6 +307,7 @@ letter-spacing:.03em}
 tr.peer td.col-0{grid-column:2;grid-row:1;text-align:right}tr.peer td.col-0::before{content:none}
 tr.peer td.col-1{grid-column:1;grid-row:1}tr.peer td.col-1::before{content:none}
 tr.none,tr.none td{display:block}
+table.plain{display:table}table.plain thead{display:table-header-group}table.plain tbody{display:table-row-group}
 }
 """
 
@@ -311,4 +349,70 @@ def render_page(doc: dict[str, Any], *, refresh_s: float = 5.0, version: str = "
         f'<a href="api/v1/state">JSON API</a> · <a href="metrics">Prometheus metrics</a>'
         f'{" · dashboard " + text(version, 32) if version else ""}</footer>'
         f"<script>{page_script(refresh_s)}</script></body></html>"
+    )
+
+
+def _head(title: str) -> str:
+    return ('<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+            '<meta name="viewport" content="width=device-width,initial-scale=1">'
+            f'<title>{title} · diloco-swarm</title><meta name="referrer" content="no-referrer">'
+            f"<style>{CSS}</style></head><body>")
+
+
+def render_peer_page(doc: dict[str, Any] | None, *, peer_id: str, run_id: str, version: str = "") -> str:
+    """One volunteer's page (``/peer/{peer_id}``): its figures, ledger row, witnesses and θ marks, from
+    ``SwarmState.peer_doc`` (None: no record names the peer, a "not found" page). No script: it is read
+    once, not refreshed."""
+    run = text(run_id, 128)
+    back = '<a href="../">all peers</a>'
+    if doc is None:
+        return (_head(f"unknown peer · {run}") + f'<header><h1>diloco-swarm</h1><span class="run">{run}</span></header>'
+                f'<main><p class="warning">No record of peer <code>{text(peer_id, 128)}</code> in this run '
+                f"(it never joined, or left more than a while ago).</p><p>{back}</p></main></body></html>")
+    r, e = doc["peer"], doc["ledger"]
+    name = text(r.get("name"), 64) or text(short_id(r.get("peer_id")))
+    now = doc.get("generated", time.time())
+    hist = doc.get("history") or {}
+    loss = line_chart([{"label": "loss", "color": 0, "main": True,
+                        "points": list(zip(hist.get("t", []), hist.get("loss", [])))}],
+                      title="Training loss over time", now=now, unit_fmt=lambda v: f"{v:.3g}")
+    facts = [
+        ("State", f'<span class="badge {text(r.get("state"))}">{text(r.get("state"))}</span>'),
+        ("Outer step", text(r.get("outer_step"))),
+        ("Loss", f'{fmt_float(r.get("loss"))} <span class="dim">{fmt_held_out(r.get("eval_loss"), r.get("eval_outer_step"))}</span>'),
+        ("Tokens", f'{fmt_si(e.get("tokens"))} <span class="dim">({fmt_si(e.get("confirmed_tokens"))} confirmed)</span>'),
+        ("Share of the run's tokens", "–" if e.get("share") is None else f'{100 * e["share"]:.1f}%'),
+        ("Verified rounds", f'{int(e.get("verified_rounds") or 0)} <span class="dim">'
+                            f'({int(e.get("confirmed_rounds") or 0)} confirmed)</span> {_ledger_note(e)}'),
+        ("Failed rounds", text(r.get("failed_rounds"))),
+        ("Traffic", f'↑{fmt_bytes(r.get("bytes_sent"))} ↓{fmt_bytes(r.get("bytes_received"))}'),
+        ("Uptime", fmt_duration(r.get("uptime_s"))),
+        ("Device", f'{text(r.get("device"), 64)} <span class="dim">{text(r.get("precision"), 16)}</span>'),
+    ]
+    rows = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in facts)
+    witnesses = "".join(f'<li>{_peer_link(w["peer_id"], text(w.get("name") or short_id(w["peer_id"]), 64), "../")}: '
+                        f'{int(w["rounds"])} verified rounds, {fmt_si(w["tokens"])} tokens</li>'
+                        for w in doc.get("witnessed_by") or [])
+    marks = "".join(f'<tr><td>{int(m["step"])}</td><td><code>{text(m["digest"], 16)}</code></td>'
+                    f'<td>{len(m.get("held_by") or [])}</td></tr>' for m in doc.get("theta_marks") or [])
+    why = f'<p class="warning">self-reported: {text(e.get("why"), 400)}</p>' if e.get("self_reported") else ""
+    return (
+        _head(f"{name} · {run}")
+        + f'<header><h1>{name}</h1><span class="run" title="peer id">{text(r.get("peer_id"), 128)}</span>'
+        f'<span class="dim">run {run} · {back}</span></header><main>{why}'
+        f'<section class="card"><table id="peer-facts" class="plain">{rows}</table>'
+        '<p class="dim note">Every figure here is this peer\'s own word (its signed record), except the '
+        "<em>confirmed</em> ones: the most that another peer's record says it shared with it in verified rounds.</p>"
+        "</section>"
+        f'<section class="charts leaderboard"><figure class="card"><figcaption>Loss</figcaption>{loss}</figure></section>'
+        f'<section class="card leaderboard"><h2>Backed by</h2>'
+        + (f'<ul id="witnesses">{witnesses}</ul>' if witnesses else '<p class="dim">No other record lists this peer.</p>')
+        + '</section><section class="card leaderboard"><h2>Outer steps its Δ went into</h2>'
+        + ('<table id="theta-marks" class="plain"><thead><tr><th>Outer step</th><th>θ digest</th>'
+           f"<th>Peers holding the same θ</th></tr></thead><tbody>{marks}</tbody></table>"
+           '<p class="dim note">Its last θ marks (outer step, digest of the θ_global it held after it): a digest '
+           "other peers hold too is a step of the swarm's shared lineage.</p>"
+           if marks else '<p class="dim">Its record holds no θ marks yet.</p>')
+        + f'</section></main><footer><a href="../api/v1/peer/{text(quote(str(r.get("peer_id") or ""), safe=""), 200)}">JSON</a>'
+        f'{" · dashboard " + text(version, 32) if version else ""}</footer></body></html>'
     )

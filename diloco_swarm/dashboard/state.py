@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from diloco_swarm.dht.ledger import latest_by_peer, leaderboard
 from diloco_swarm.dht.lineages import lineage_summary_of_rows
 from diloco_swarm.dht.records import FIELDS, PeerEntry, PeerRecord
 
@@ -192,6 +193,7 @@ class SwarmState:
                 },
                 "totals": {**summarize(peers), "refused": len(self.refused)},
                 "peers": peers,
+                "leaderboard": leaderboard(peers),  # every peer still listed, gone ones too: their work counts
             }
             if history:
                 doc["history"] = {
@@ -202,6 +204,35 @@ class SwarmState:
                     },
                 }
         return doc
+
+    def peer_doc(self, peer_id: str, now: float | None = None) -> dict[str, Any] | None:
+        """The ``/api/v1/peer/{peer_id}`` document (docs/dashboard.md), or None when no listed record
+        claims ``peer_id``: its record (the most recently updated of those that claim it), its ledger
+        row, the peers whose records back its rounds, its θ marks with the peers that hold the same,
+        its history, and which of its figures are its own word."""
+        now = time.time() if now is None else now
+        with self._lock:
+            rows = self.peer_rows(now)
+            mine = [r for r in latest_by_peer(rows) if r.get("peer_id") == peer_id]
+            if not mine:
+                return None
+            row = mine[0]
+            view = self.peers.get(row["owner"])
+            history = _columns(view.history if view else (), ("t", "loss", "tokens_per_s", "outer_step"))
+        others = [r for r in latest_by_peer(rows) if r.get("peer_id") != peer_id]
+        witnesses = [{"peer_id": r["peer_id"], "name": r.get("name") or "", "rounds": e["rounds"], "tokens": e["tokens"]}
+                     for r in others for e in r.get("rounds_with") or () if e.get("peer_id") == peer_id]
+        held = {}  # (step, digest) -> the other peers whose marks hold it
+        for r in others:
+            for m in r.get("theta_marks") or ():
+                held.setdefault((m["step"], m["digest"]), []).append(r["peer_id"])
+        marks = [{**m, "held_by": held.get((m["step"], m["digest"]), [])} for m in row.get("theta_marks") or ()]
+        ledger = next(e for e in leaderboard(rows) if e["peer_id"] == peer_id)
+        return {"schema": API_SCHEMA, "run_id": self.run_id, "generated": round(now, 3), "peer": row,
+                "ledger": ledger, "witnessed_by": sorted(witnesses, key=lambda w: -w["rounds"]),
+                "rounds_with": row.get("rounds_with") or [], "theta_marks": marks, "history": history,
+                # everything a record says is its peer's own word; the ledger's confirmed figures are others'
+                "self_reported": sorted(set(FIELDS) - {"peer_id"})}
 
     # ------------------------------------------------------------------ persistence
     def save(self) -> None:

@@ -44,6 +44,18 @@ def display_name(record: Mapping[str, Any]) -> str:
     return str(record.get("name") or "") or str(record.get("peer_id") or "")[:NAME_ID_CHARS]
 
 
+def latest_by_peer(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """One record per peer id: the most recently ``updated`` (two owners may claim one peer id, as in
+    records.live_records)."""
+    out: dict[str, Mapping[str, Any]] = {}
+    for record in records:
+        peer = str(record.get("peer_id") or "")
+        held = out.get(peer)
+        if held is None or (record.get("updated") or 0) > (held.get("updated") or 0):
+            out[peer] = record
+    return list(out.values())
+
+
 def witnessed(records: Iterable[Mapping[str, Any]]) -> dict[str, tuple[int, int, int]]:
     """peer id -> (confirmed rounds, confirmed tokens, witnesses): the largest ``rounds`` and ``tokens``
     that another peer's ``rounds_with`` holds for it (each maximum on its own), and how many records list
@@ -64,7 +76,8 @@ def leaderboard(records: Mapping[str, Any] | Iterable[Any], *, first_hand: Itera
     """Leaderboard rows of the run's peers, most confirmed tokens first (then tokens, then name).
 
     :param records: ``{peer_id: PeerRecord}`` (records.live_records), or records or their dicts (the
-        rows of ``status`` and the dashboard hold every record field).
+        rows of ``status`` and the dashboard hold every record field; of rows that claim one peer id, the
+        most recently updated counts: :func:`latest_by_peer`). At most :data:`MAX_ROWS` are read.
     :param first_hand: peer ids whose rounds the reader counted itself (a node: the peers it averaged
         with, and itself): their rows say ``first_hand``.
     :returns: one dict per peer: ``name`` (display name), ``peer_id``, ``tokens`` (claimed),
@@ -76,7 +89,7 @@ def leaderboard(records: Mapping[str, Any] | Iterable[Any], *, first_hand: Itera
         else saw, a solo round's, are self-reported too) and ``why`` (what is not backed; "" if nothing).
     """
     values = list(records.values()) if isinstance(records, Mapping) else list(records)
-    dicts = [_fields(r) for r in values][:MAX_ROWS]
+    dicts = latest_by_peer(_fields(r) for r in values[:MAX_ROWS])
     backed = witnessed(dicts)
     known = set(first_hand)
     rows = []

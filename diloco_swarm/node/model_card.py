@@ -73,7 +73,7 @@ def _yaml(value: Any) -> str:
 
 def _duration(seconds: Any) -> str:
     s = float(seconds) if isinstance(seconds, (int, float)) and math.isfinite(seconds) else 0.0
-    return f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.0f} min" if s >= 60 else f"{s:.0f} s"
 
 
 def contributors(ckpt: dict[str, Any], peer_id: str) -> list[dict[str, Any]]:
@@ -157,15 +157,15 @@ def model_card(spec: Any, ckpt: dict[str, Any], info: dict[str, Any], curve: lis
         "report, with the rounds other peers' records back (*confirmed*, a lower bound: groups smaller "
         "than the swarm under-confirm). **self-reported** marks claims that others' records do not back.",
         "",
-        "| contributor | peer id | tokens | share | verified rounds (confirmed) | uptime | source |",
+        "| contributor | peer id | tokens | share of confirmed tokens | verified rounds (confirmed) | uptime | source |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        share = r.get("share")
+        share = r.get("confirmed_share") if "confirmed_share" in r else r.get("share")
         source = "first-hand" if r.get("first_hand") else (
             "self-reported" if r.get("self_reported") else f"reported, backed by {int(r.get('witnesses') or 0)} peers' records")
         if r.get("first_hand") and r.get("self_reported"):
-            source += ", others' records do not back it all"
+            source += "; self-reported beyond the rounds others back"
         body.append(f"| {_text(r.get('name'))} | `{_text(r.get('peer_id'), 12)}` | {int(r.get('tokens') or 0):,} | "
                     f"{'–' if share is None else f'{100 * share:.1f}%'} | {int(r.get('verified_rounds') or 0)} "
                     f"({int(r.get('confirmed_rounds') or 0)}) | "
