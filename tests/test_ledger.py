@@ -127,3 +127,29 @@ def test_a_node_counts_verified_rounds_its_partners_and_keeps_them_in_its_checkp
     assert restored.leaderboard == stats.leaderboard
     restored.load_ledger(None)  # a checkpoint from before the ledger: nothing changes
     assert restored.verified_rounds == stats.verified_rounds
+    restored.load_ledger({"verified_rounds": "x", "rounds_with": [["QmA", -1, 2], "junk"], "leaderboard": 3})
+    assert restored.verified_rounds == stats.verified_rounds and restored.rounds_with == {} and restored.leaderboard == []
+
+
+def test_the_dhts_schema_validator_refuses_a_record_with_too_many_partners():
+    """What every DHT node runs on a stored record (hivemind's SchemaValidator over PeerRecordsSchema):
+    a record with the ledger's fields passes, one with a 33rd partner does not."""
+    from hivemind.dht.protocol import DHTProtocol
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.schema import SchemaValidator
+    from hivemind.dht.validation import DHTRecord
+
+    from diloco_swarm.dht.records import PeerRecordsSchema, records_key
+
+    validator = SchemaValidator(PeerRecordsSchema, allow_extra_keys=True, prefix="ledger")
+    dumps = DHTProtocol.serializer.dumps
+
+    def accepted(value: dict) -> bool:
+        return validator.validate(DHTRecord(key=DHTID.generate(source=records_key("ledger")).to_bytes(),
+                                            subkey=dumps(b"[owner:ssh-rsa AAAAB3Nza]"), value=dumps(value),
+                                            expiration_time=0.0))
+
+    good = record("QmMe", with_=[(f"Qm{i}", 1, 10) for i in range(MAX_PARTNERS)])
+    assert accepted(good)
+    assert not accepted({**good, "rounds_with": good["rounds_with"] + [{"peer_id": "QmMore", "rounds": 1, "tokens": 1}]})
+    assert not accepted({**good, "verified_rounds": 3.0})  # a conversion: strict types only

@@ -106,16 +106,21 @@ class NodeStats:
                 "leaderboard": [dict(row) for row in self.leaderboard]}
 
     def load_ledger(self, state: Any) -> None:
-        """Restore :meth:`ledger_state` (absent in older checkpoints: nothing is restored)."""
+        """Restore :meth:`ledger_state`. Absent (older checkpoints) or malformed parts are left at their
+        start values: the ledger is a report, never a reason to refuse a resume."""
         if not isinstance(state, dict):
             return
-        self.verified_rounds = max(0, int(state.get("verified_rounds", 0)))
+        count = state.get("verified_rounds")
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+            self.verified_rounds = count
         partners = OrderedDict()
-        for item in state.get("rounds_with") or []:
-            if isinstance(item, (list, tuple)) and len(item) == 3 and isinstance(item[0], str):
-                partners[item[0]] = (max(0, int(item[1])), max(0, int(item[2])))
+        for item in state.get("rounds_with") if isinstance(state.get("rounds_with"), list) else []:
+            if (isinstance(item, (list, tuple)) and len(item) == 3 and isinstance(item[0], str)
+                    and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in item[1:])):
+                partners[item[0]] = (item[1], item[2])
         self.rounds_with = partners
-        self.leaderboard = [row for row in state.get("leaderboard") or [] if isinstance(row, dict)]
+        board = state.get("leaderboard")
+        self.leaderboard = [row for row in board if isinstance(row, dict)] if isinstance(board, list) else []
 
     def totals(self) -> dict[str, Any]:
         """The cumulative fields of every ``outer_step`` metrics record."""
