@@ -46,6 +46,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
+from diloco_swarm.averaging.bandwidth import RateLimit, stream_share
 from diloco_swarm.averaging.reducer import RobustPartReducer
 from diloco_swarm.averaging.sparse import SparseInt8Codec
 
@@ -132,6 +133,11 @@ def _rms(t: torch.Tensor) -> float:
     return norm / math.sqrt(t.numel()) if t.numel() and norm is not None else 0.0
 
 
+def _part_bytes(message: averaging_pb2.AveragingData) -> int:
+    """Bytes a cap counts for one message of an all-reduce: its tensor part (the rest is a few bytes)."""
+    return len(message.tensor_part.buffer)
+
+
 class ConsensusAllReduceRunner(AllReduceRunner):
     """``hivemind.averaging.allreduce.AllReduceRunner`` with identical results on all members.
 
@@ -141,12 +147,23 @@ class ConsensusAllReduceRunner(AllReduceRunner):
     :param stats: filled in during the round.
     :param max_part_rms_ratio: bound on an incoming part's RMS relative to ours, for a sender
         with our weight (:func:`allowed_scale`).
+    :param upload: our upload cap, shared by every stream of the averager process (``bandwidth.py``);
+        each part and each average we send waits for it. None: no cap.
+    :param download: our download cap: each part and average we receive is read no faster.
+    :param receive_caps: the download cap each member stated (``bandwidth.RECEIVE_CAP_KEY``, untrusted), in
+        ``ordered_peer_ids``' order: what we send a capped member is paced to its share
+        (``bandwidth.stream_share``).
     """
 
     reducer_type: type[TensorPartReducer] = RobustPartReducer  # how our slice's parts are combined
 
-    def __init__(self, *args, stats: RoundStats, max_part_rms_ratio: float, **kwargs):
+    def __init__(self, *args, stats: RoundStats, max_part_rms_ratio: float, upload: RateLimit | None = None,
+                 download: RateLimit | None = None, receive_caps: Sequence | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self._upload, self._download = upload or RateLimit(None), download or RateLimit(None)
+        caps = list(receive_caps or [])
+        self._towards = {peer: stream_share(caps[i] if i < len(caps) else None, len(self.ordered_peer_ids))
+                         for i, peer in enumerate(self.ordered_peer_ids)}
         if self.reducer_type is not type(self.tensor_part_reducer):
             self.tensor_part_reducer.finished.set()  # hivemind's, never used: no "received 0%" warning when collected
             self.tensor_part_reducer = self.reducer_type(tuple(part.shape for part in self.parts_for_local_averaging),
@@ -285,7 +302,7 @@ class ConsensusAllReduceRunner(AllReduceRunner):
 
             async for averaged, n_bytes in amap_in_executor(
                 _try_deserialize,
-                aiter_with_timeout(stream, self.reducer_timeout),
+                self._download.paced(aiter_with_timeout(stream, self.reducer_timeout), _part_bytes),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 if part_index >= expected_parts:
@@ -312,6 +329,16 @@ class ConsensusAllReduceRunner(AllReduceRunner):
             raise
         finally:
             self._reducer_calls.pop(peer_id, None)
+
+    async def rpc_aggregate_part(self, stream, context) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's, with the averages we send back paced to the sender's stated download cap where they
+        leave: hivemind holds a non-reducing member's averages until it has sent all its parts, then
+        sends them at once."""
+        towards = self._towards.get(context.remote_id)
+        async for message in super().rpc_aggregate_part(stream, context):
+            if towards is not None:
+                await towards.take(_part_bytes(message))
+            yield message
 
     async def _handle_missing_senders(self) -> None:
         """hivemind's (a sender that has not started within ``sender_timeout`` is banned), but it ends
@@ -341,7 +368,10 @@ class ConsensusAllReduceRunner(AllReduceRunner):
             await self._ban_sender(failed_reducer)
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        towards = self._towards[self.ordered_peer_ids[peer_index]]
         async for message in super()._generate_input_for_peer(peer_index):
+            await self._upload.take(_part_bytes(message))
+            await towards.take(_part_bytes(message))
             self.stats.bytes_sent += len(message.tensor_part.buffer)
             yield message
 
@@ -391,7 +421,7 @@ class ConsensusAllReduceRunner(AllReduceRunner):
                 )
 
             async for tensor_part, weight, compression, n_bytes in amap_in_executor(
-                _deserialize, stream, max_prefetch=self.tensor_part_container.prefetch
+                _deserialize, self._download.paced(stream, _part_bytes), max_prefetch=self.tensor_part_container.prefetch
             ):
                 self.stats.bytes_received += n_bytes
                 problem = self._check_sender_part(sender_id.to_base58(), part_index, tensor_part, weight, compression)
@@ -410,6 +440,7 @@ class ConsensusAllReduceRunner(AllReduceRunner):
                     self.stats.rejected_senders.setdefault(sender_id.to_base58(), "banned (too slow)")
                     break
                 serialized = await self._encoded_average(part_index - 1, averaged_part)
+                await self._upload.take(len(serialized.buffer))
                 self.stats.bytes_sent += len(serialized.buffer)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         except Exception as e:  # a malformed part (CodecError) ends this sender's stream

@@ -41,6 +41,7 @@ from hivemind.utils import get_dht_time, get_logger
 
 from diloco_swarm.averaging.admission import Admission
 from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner, RoundStats
+from diloco_swarm.averaging.bandwidth import RECEIVE_CAP_KEY, RateLimit, advertised_mbps, group_timeout, longest_timeout
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
 from diloco_swarm.averaging.sparse import SPARSE_MODES, SparseInt8Codec
 from diloco_swarm.averaging.conduct import PeerConduct
@@ -79,6 +80,9 @@ COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
     "fp32": NoCompression,
     **{name: functools.partial(SparseInt8Codec, per_chunk=k, resparsify=cut) for name, (k, cut) in SPARSE_MODES.items()},
 }
+# bytes per value of a Δ on the wire, at most (int8's per-block scales and a sparse mode's fewer values aside):
+# what a round's time bound is sized by (bandwidth.group_timeout)
+WIRE_BYTES_PER_VALUE = {"fp32": 4, "fp16": 2}
 
 
 class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, DecentralizedAverager):
@@ -102,6 +106,9 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
     :param max_norm_ratio: a received average whose norm exceeds this multiple of our own
         Δ's norm is discarded (hostile or broken peer); also bounds each incoming part's RMS. The
         multiple grows with the largest weight in the group over ours (``allreduce.allowed_scale``).
+    :param max_upload_mbps: this peer's upload cap in Mbit/s (``--max-upload-mbps``; None: none), on every
+        byte of its rounds and state donations (``bandwidth.py``).
+    :param max_download_mbps: its download cap, likewise.
     :param organiser: ``RunSpec.organiser`` of a private run: only peers with a valid invitation
         meet us in a group, download our state or have us dial them back (``admission.py``);
         None (a public run) admits everyone.
@@ -123,6 +130,8 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
         client_mode: bool | None = None,
         state_provider: StateProvider | None = None,
         organiser: str | None = None,
+        max_upload_mbps: float | None = None,
+        max_download_mbps: float | None = None,
         **kwargs,
     ):
         if compression not in COMPRESSIONS:
@@ -130,7 +139,12 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
         self.compression_name = compression
         codec = COMPRESSIONS[compression]()
         self.max_norm_ratio = max_norm_ratio
-        self._allreduce_timeout_s = float(allreduce_timeout)
+        self._upload, self._download = RateLimit(max_upload_mbps), RateLimit(max_download_mbps)
+        # a group waits as long as its slowest member's caps need (bandwidth.group_timeout), at least
+        # --allreduce-timeout; hivemind's own wait and ours in the node allow the longest of those
+        self._round_bytes = sum(t.numel() for t in tensors) * WIRE_BYTES_PER_VALUE.get(compression, 1)
+        self._configured_allreduce_s = float(allreduce_timeout)
+        self._allreduce_timeout_s = longest_timeout(allreduce_timeout, self._round_bytes)
         self._round_stats: dict[str, RoundStats] = {}
         self._init_state_sharing(state_provider)
         self._init_mixing()
@@ -158,8 +172,9 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
                 min_group_size=2,
                 min_matchmaking_time=matchmaking_time,
                 request_timeout=max(0.5, min(3.0, matchmaking_time / 3)),  # hivemind: must be < matchmaking time
-                allreduce_timeout=allreduce_timeout,
+                allreduce_timeout=self._allreduce_timeout_s,
                 next_chunk_timeout=next_chunk_timeout,
+                bandwidth=advertised_mbps(max_upload_mbps, max_download_mbps),
                 compression=codec,
                 client_mode=client_mode,
                 allow_state_sharing=state_provider is not None and not client_mode,
@@ -169,6 +184,12 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
         finally:
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGINT, previous_sigint)
+
+    @property
+    def allreduce_ceiling_s(self) -> float:
+        """The longest a group's all-reduce may take (s): ``--allreduce-timeout``, or what a group whose
+        slowest member is capped at ``bandwidth.MIN_CAP_MBPS`` needs for our Δ."""
+        return self._allreduce_timeout_s
 
     def _command(self, method: str, **kwargs) -> None:
         """Call our ``method`` in the averager process (hivemind's control pipe); returns at once.
@@ -223,6 +244,8 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
             ordered_peer_ids=group_info.peer_ids,
             stats=stats,
             max_part_rms_ratio=self.max_norm_ratio,
+            upload=self._upload,
+            download=self._download,
             **kwargs,
         )
         self._outcomes.expect(stats.group_id, stats.group_peer_ids)
@@ -255,7 +278,10 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
             raise AllreduceException(f"the group may not advance: {problem}")  # hivemind retries within the window
         self._remember_group(group_info)  # its θ-mixing all-reduce may follow
         try:
-            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+            bandwidths, receive_caps = self._gathered_caps(group_info)
+            gathered = await asyncio.wait_for(
+                super()._aggregate_with_group(group_info, min_vector_size, receive_caps=receive_caps, **kwargs),
+                self._group_timeout([*bandwidths, *receive_caps]))
             step = self._step_in_flight
             if step is not None and step.cancelled():
                 # the node left this round while its group formed or ran (a stop; or a give-up that met the
@@ -273,6 +299,25 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
             self._round_stats.clear()
             self._conduct.judge(stats)
         return {"gathered": gathered, "stats": dataclasses.asdict(stats), "avoided": self._conduct.shunned_peers()}
+
+    def _group_timeout(self, bandwidths) -> float:
+        """Seconds this group's all-reduce may take, by its members' advertised ``bandwidths`` (Mbit/s,
+        untrusted): ``bandwidth.group_timeout``, within :attr:`allreduce_ceiling_s`."""
+        return min(group_timeout(self._configured_allreduce_s, self._round_bytes, bandwidths), self._allreduce_timeout_s)
+
+    def _gathered_caps(self, group_info) -> tuple[list, list]:
+        """(the bandwidths the members advertised in matchmaking, the download caps they stated:
+        ``bandwidth.RECEIVE_CAP_KEY``), in the group's order; untrusted, anything (None where unreadable)."""
+        bandwidths, receive_caps = [], []
+        for g in group_info.gathered:
+            try:
+                bandwidth, _, meta = self.serializer.loads(g)
+                meta = self.serializer.loads(meta)
+            except Exception:  # malformed gathered data: hivemind's own parsing refuses the group
+                bandwidth, meta = None, None
+            bandwidths.append(bandwidth)
+            receive_caps.append(meta.get(RECEIVE_CAP_KEY) if isinstance(meta, dict) else None)
+        return bandwidths, receive_caps
 
     def _group_problem(self, group_info) -> str | None:
         """Why this group must not run its round (``grouping.group_problem`` of the members' gathered
@@ -404,7 +449,8 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
                 scheduled_time = get_dht_time() + 0.9 * request.timeout
             elif scheduled_time is not None:
                 scheduled_time = min(scheduled_time, get_dht_time() + 0.9 * request.timeout)
-            control = self.step(weight=float(request.weight), gather=request.gather(), timeout=request.timeout,
+            gather = {**request.gather(), RECEIVE_CAP_KEY: self._download.mbps}  # members pace their sends to it
+            control = self.step(weight=float(request.weight), gather=gather, timeout=request.timeout,
                                 allow_retries=True, wait=False, scheduled_time=scheduled_time)
             late = LateMembers(request, default_size=self._default_target_group_size)
             # hivemind bounds the step in the averager process; the deadline bounds our wait if that process dies

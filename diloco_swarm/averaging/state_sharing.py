@@ -26,6 +26,7 @@ from hivemind.utils import MPFuture, get_dht_time, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
+from diloco_swarm.averaging.bandwidth import MIN_CAP_MBPS, RateLimit, bytes_per_second
 from diloco_swarm.averaging.donation import Donations, StateSeal
 from diloco_swarm.averaging.results import short_reason
 from diloco_swarm.dht.calls import ChildGone, ChildUnavailable, bounded, dht_get
@@ -35,9 +36,10 @@ logger = get_logger(__name__)
 
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor], StateSeal]]
 
-# a state download may last as long as its largest payload takes at 2 Mbit/s (a home uplink's donor; a
-# stalled one is cut by the per-chunk timeout): a fixed bound refused every download over a few hundred MB
-MIN_STATE_RATE_BPS = 250_000
+# a state download may last as long as its largest payload takes at the lowest upload cap a donor may set
+# (2 Mbit/s, a home uplink's; a stalled donor is cut by the per-chunk timeout): a fixed bound refused every
+# download over a few hundred MB
+MIN_STATE_RATE_BPS = bytes_per_second(MIN_CAP_MBPS)
 
 
 def state_donors(dht, prefix: str) -> dict[str, float]:
@@ -65,11 +67,13 @@ def transfer_timeout(timeout: float, max_bytes: int) -> float:
     return 4 * timeout + max_bytes / MIN_STATE_RATE_BPS
 
 
-async def fetch_state(stub, serializer, *, timeout: float, max_bytes: int) -> tuple[Any, list[torch.Tensor], int]:
+async def fetch_state(stub, serializer, *, timeout: float, max_bytes: int,
+                      download: RateLimit | None = None) -> tuple[Any, list[torch.Tensor], int]:
     """Read one donor's state: ``stub`` is the averager's stub of that donor (its ``rpc_download_state``),
     ``serializer`` decodes the metadata.
 
-    :param timeout: seconds allowed between chunks.
+    :param timeout: seconds allowed between chunks (our own pacing by ``download`` not counted).
+    :param download: our download cap (bandwidth.py), or None.
     :returns: (the donor's metadata, its tensors as sent, bytes received).
     :raises ValueError: more than ``max_bytes`` arrived, or a tensor came incomplete (:func:`tensor_from_parts`).
     """
@@ -79,6 +83,8 @@ async def fetch_state(stub, serializer, *, timeout: float, max_bytes: int) -> tu
         received += message.ByteSize()
         if received > max_bytes:
             raise ValueError(f"donor sent more than {max_bytes} bytes")
+        if download is not None:
+            await download.take(message.ByteSize())
         if message.metadata and metadata is None:
             metadata = serializer.loads(message.metadata)
         if message.tensor_part.dtype and parts:
@@ -146,7 +152,7 @@ class StateSharing:
             if not await self._admission.admits(peer):  # a private run's stranger serves us nothing
                 raise RuntimeError(f"peer {peer} shows no valid invitation to this private run")
             stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-            fetch = fetch_state(stub, self.serializer, timeout=timeout, max_bytes=max_bytes)
+            fetch = fetch_state(stub, self.serializer, timeout=timeout, max_bytes=max_bytes, download=self._download)
             send_result(future, await asyncio.wait_for(fetch, timeout=total_timeout))
         except BaseException as e:
             if not future.done():
@@ -159,7 +165,8 @@ class StateSharing:
         if not self.allow_state_sharing or not await self._admission.admits(context.remote_id.to_base58()):
             return  # hivemind's refusal: the asker tries another donor
         metadata, tensors, seal = await self._get_current_state_from_host_process()
-        async for message in self._donations.stream(metadata, tensors, seal, self.state_compression):
+        async for message in self._upload.paced(self._donations.stream(metadata, tensors, seal, self.state_compression),
+                                                lambda m: m.ByteSize()):
             yield message
 
     # --- runs in the caller's process -------------------------------------------------

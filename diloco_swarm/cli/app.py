@@ -24,6 +24,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from diloco_swarm.averaging.bandwidth import MAX_CAP_MBPS, MIN_CAP_MBPS
 from diloco_swarm.cli.common import USAGE_ERROR, err, fail, require_finite, require_node
 from diloco_swarm.cli.dashboard import dashboard
 from diloco_swarm.cli.private import invite as invite_command
@@ -150,6 +151,8 @@ def join(
     matchmaking_time: Annotated[float, typer.Option(min=0.5, help="Seconds a group leader waits for more peers at least; it waits longer for peers whose inner phase is about to end (progress alignment).", rich_help_panel=AVERAGING)] = 2.0,
     averaging_window: Annotated[float, typer.Option(min=1.0, max=3600.0, help="Seconds to look for a group before the round counts as late (its pseudo-gradient goes into the next round; a solo outer step only when no other peer is online).", rich_help_panel=AVERAGING)] = 30.0,
     allreduce_timeout: Annotated[float, typer.Option(min=1.0, max=3600.0, help="Seconds the all-reduce may take once a group formed.", rich_help_panel=AVERAGING)] = 60.0,
+    max_upload_mbps: Annotated[Optional[float], typer.Option(min=MIN_CAP_MBPS, max=MAX_CAP_MBPS, help=f"Cap this node's upload in Mbit/s (at least {MIN_CAP_MBPS:g}): every byte of its averaging rounds and state donations. Its rounds are sized to it: a smaller slice of each all-reduce, and groups wait for it. Default: no cap.", show_default=False, rich_help_panel=LOCAL)] = None,
+    max_download_mbps: Annotated[Optional[float], typer.Option(min=MIN_CAP_MBPS, max=MAX_CAP_MBPS, help=f"Cap this node's download in Mbit/s (at least {MIN_CAP_MBPS:g}), likewise: averaging rounds and state downloads. Default: no cap.", show_default=False, rich_help_panel=LOCAL)] = None,
     eval_budget: Annotated[float, typer.Option(min=0.0, max=1.0, help="Evaluate the held-out loss after an outer step only while evaluation has taken less than this share of wall time (0.02 = 2%); the last value is reported in between.", rich_help_panel=LOCAL)] = 0.02,
 ) -> None:
     """Join (or start) a training swarm and train until stopped.
@@ -172,7 +175,9 @@ def join(
     outer_momentum = default_momentum if outer_momentum is None else outer_momentum
     # (the run spec's floats are checked by RunSpec, the bounded ones by their ranges)
     require_finite(matchmaking_time=matchmaking_time, averaging_window=averaging_window,
-                   allreduce_timeout=allreduce_timeout)
+                   allreduce_timeout=allreduce_timeout,
+                   **{k: v for k, v in dict(max_upload_mbps=max_upload_mbps, max_download_mbps=max_download_mbps).items()
+                      if v is not None})
     if target_group_size == 1:
         raise fail("--target-group-size must be 0 (the whole swarm) or at least 2")
     if target_group_size > max_group_size:
@@ -252,6 +257,8 @@ def join(
         matchmaking_time=matchmaking_time,
         averaging_window=averaging_window,
         allreduce_timeout=allreduce_timeout,
+        max_upload_mbps=max_upload_mbps,
+        max_download_mbps=max_download_mbps,
         metrics_file=metrics_file,
         max_dataset_bytes=max_dataset_bytes,
         name=name,

@@ -38,6 +38,8 @@ class NodeConfig:
         return min(self.target_group_size or self.max_group_size, self.max_group_size)
     averaging_window: float = 30.0  # wait at most this long for a group, then go solo
     allreduce_timeout: float = 60.0
+    max_upload_mbps: float | None = None  # averaging/bandwidth.py: caps on this node's rounds and donations
+    max_download_mbps: float | None = None
     metrics_file: Path | None = None
     eval_batches: int = 8
     max_dataset_bytes: int | None = None

@@ -190,10 +190,6 @@ class Startup:
                 f"--seq-len {spec.seq_len} exceeds the '{spec.model}' model's context of {model_shape.config.block_size}"
             )
         self.phases = PhasePlanner(spec.inner_steps)  # DyLU: inner steps per phase
-        # a round ends by itself within: a wait for the swarm to reach our step and the averaging window
-        # (each at most --averaging-window: Round._wait_for_swarm, then matchmaking), the all-reduce, the
-        # digest confirmation
-        self.round_deadline_s = 2 * cfg.averaging_window + cfg.allreduce_timeout + DIGEST_WAIT_S + ROUND_MARGIN_S
 
         validators = record_validators(spec.run_id, cfg.state_dir)
         self.our_pass.owner = owner_digest(signature_validator(validators).local_public_key)
@@ -237,7 +233,14 @@ class Startup:
             client_mode=self.client_mode,
             state_provider=self._state_for_donation,
             organiser=spec.organiser,
+            max_upload_mbps=cfg.max_upload_mbps,
+            max_download_mbps=cfg.max_download_mbps,
         )
+        # a round ends by itself within: a wait for the swarm to reach our step and the averaging window
+        # (each at most --averaging-window: Round._wait_for_swarm, then matchmaking), the all-reduce (as long
+        # as a group with a capped member may take: averaging/bandwidth.py), the digest confirmation
+        self.round_deadline_s = (2 * cfg.averaging_window + self.averager.allreduce_ceiling_s + DIGEST_WAIT_S
+                                 + ROUND_MARGIN_S)
         phase("averager")
         checkpoint = load_checkpoint(checkpoint_path(cfg.state_dir)) if resuming else None
         self._build_training_state(checkpoint)

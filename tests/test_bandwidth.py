@@ -1,0 +1,99 @@
+"""Bandwidth caps (averaging/bandwidth.py): the pacing, what a peer advertises, and the time a group gets.
+
+The caps measured on a real link (a node in a network namespace) are tests/test_bandwidth_netns.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import pytest
+
+from diloco_swarm.averaging.bandwidth import (
+    MAX_CAP_MBPS, MIN_CAP_MBPS, TIMEOUT_MARGIN, UNCAPPED_MBPS, WIRE_OVERHEAD, RateLimit, advertised_mbps,
+    bytes_per_second, group_timeout, longest_timeout, stated_mbps, stream_share)
+from diloco_swarm.averaging.state_sharing import MIN_STATE_RATE_BPS
+
+
+def _send(limit: RateLimit, sizes: list[int]) -> float:
+    """Seconds until the last of ``sizes`` may go, two coroutines sharing ``limit``."""
+
+    async def sender(part: list[int]) -> None:
+        for n in part:
+            await limit.take(n)
+
+    async def main() -> float:
+        started = time.monotonic()
+        await asyncio.gather(sender(sizes[::2]), sender(sizes[1::2]))
+        return time.monotonic() - started
+
+    return asyncio.run(main())
+
+
+def test_a_cap_paces_every_stream_of_the_process_together():
+    limit = RateLimit(4.0)  # 500,000 B/s
+    sizes = [50_000] * 20  # 1 MB: each message goes once its bytes had their time at the cap
+    elapsed = _send(limit, sizes)
+    floor = sum(sizes) * WIRE_OVERHEAD / bytes_per_second(4.0)  # 2.16 s
+    assert elapsed >= 0.98 * floor, f"1 MB went out in {elapsed:.2f}s at a 4 Mbit/s cap (at least {floor:.2f}s)"
+    assert elapsed < floor + 1.5, f"the cap slowed 1 MB to {elapsed:.2f}s (the cap alone: {floor:.2f}s)"
+
+
+def test_no_cap_is_no_wait():
+    assert _send(RateLimit(None), [10**9] * 4) < 0.5
+
+
+def test_paced_lets_every_message_through_in_order():
+    async def source():
+        for i in range(5):
+            yield bytes(10_000 * (i + 1))
+
+    async def main():
+        return [len(m) async for m in RateLimit(100.0).paced(source(), len)]
+
+    assert asyncio.run(main()) == [10_000, 20_000, 30_000, 40_000, 50_000]
+
+
+def test_a_peer_advertises_its_smaller_cap():
+    assert advertised_mbps(None, None) == UNCAPPED_MBPS
+    assert advertised_mbps(8.0, None) == 8.0
+    assert advertised_mbps(20.0, 5.0) == 5.0
+
+
+def test_a_group_waits_for_its_slowest_member():
+    round_bytes = 10_000_000  # a 10M-parameter model's int8 Δ
+    # no cap in the group: --allreduce-timeout
+    assert group_timeout(60.0, round_bytes, [None, UNCAPPED_MBPS, UNCAPPED_MBPS]) == 60.0
+    # a member capped at 4 Mbit/s: 10 MB take 20 s at its cap, times the margin
+    assert group_timeout(60.0, round_bytes, [UNCAPPED_MBPS, 4.0]) == pytest.approx(TIMEOUT_MARGIN * 20.0)
+    # --allreduce-timeout stays the floor
+    assert group_timeout(600.0, round_bytes, [4.0]) == 600.0
+
+
+@pytest.mark.parametrize("hostile", [0.0, -5.0, math.nan, math.inf, "fast", [1], 1e-9])
+def test_an_advertised_bandwidth_cannot_stretch_a_group_beyond_the_longest_wait(hostile):
+    round_bytes = 10_000_000
+    timeout = group_timeout(60.0, round_bytes, [UNCAPPED_MBPS, hostile])
+    assert 60.0 <= timeout <= longest_timeout(60.0, round_bytes)
+    assert longest_timeout(60.0, round_bytes) == pytest.approx(TIMEOUT_MARGIN * round_bytes / bytes_per_second(MIN_CAP_MBPS))
+
+
+def test_a_donor_at_the_lowest_cap_serves_within_a_joiners_bound():
+    # the joiner's bound on a download (state_sharing.transfer_timeout) assumes a donor at least this fast
+    assert MIN_STATE_RATE_BPS == bytes_per_second(MIN_CAP_MBPS)
+
+
+@pytest.mark.parametrize("value, stated", [(8, 8.0), (8.5, 8.5), (0.001, MIN_CAP_MBPS), (1e30, MAX_CAP_MBPS),
+                                           (None, None), (0, None), (-1.0, None), (math.nan, None),
+                                           (math.inf, None), (True, None), ("8", None), ([8], None)])
+def test_a_stated_bandwidth_is_bounded_or_ignored(value, stated):
+    assert stated_mbps(value) == stated
+
+
+def test_each_member_sends_a_capped_peer_its_share_of_the_cap():
+    assert stream_share(8.0, 5).mbps == 2.0  # four members send to it at once
+    assert stream_share(8.0, 2).mbps == 8.0
+    assert stream_share(None, 5).mbps is None
+    assert stream_share("lots", 5).mbps is None
