@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +31,8 @@ class Result:  # the fields of averaging.results.RoundResult that the sync and t
     seconds: float = 0.0
     maybe_kept: bool = False
     avoided_peers: dict | None = None  # None: no group, the node keeps the peers it last heard of
+    group_peer_ids: tuple = ()  # a verified round's members go into the contribution ledger (node/stats.py)
+    gathered: dict = field(default_factory=dict)
 
 
 class FakeAverager:
@@ -295,7 +297,7 @@ def bare_node(events, overlap=True):
 
     params, outer, fake, sync = setup(events, overlap=overlap)
     node = Node.__new__(Node)
-    node.params, node.sync, node.stats = params, sync, NodeStats()
+    node.params, node.sync, node.stats, node.peer_id = params, sync, NodeStats(), "me"
     node.state = GlobalState(outer, lock=threading.Lock(), history=ThetaHistory(), marks=node.stats.theta_marks)
     node.state.digest = lambda: f"step {node.state.step}"
     node.mixer = ThetaMixer(node.state, averager=None, peer_id="me", stats=node.stats, supported_step=lambda: 0,
