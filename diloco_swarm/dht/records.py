@@ -165,6 +165,9 @@ class PeerRecord(pv1.BaseModel):
     # the outer step of the θ_global whose held-out loss eval_loss is (None with no eval_loss, and in
     # records of older versions): early in a run it is behind the training loss's θ_local
     eval_outer_step: Optional[pv1.conint(strict=True, ge=0, le=MAX_COUNT)] = None
+    # why this peer trains no more for now (node/pause.py): its owner paused it, or it is outside its
+    # --active-hours; None while it trains (and in older records). No round waits for a paused peer
+    paused: Optional[Literal["owner", "active_hours"]] = None
 
     class Config:
         extra = pv1.Extra.forbid
@@ -235,6 +238,8 @@ def normalize_snapshot(snapshot: dict[str, Any], *, now: float | None = None) ->
     out["admission"] = snapshot.get("admission")  # invites.Invitation.admission_pass(), or None
     at = snapshot.get("eval_outer_step")
     out["eval_outer_step"] = None if out["eval_loss"] is None or at is None else _int(at, MAX_COUNT)
+    paused = snapshot.get("paused")
+    out["paused"] = paused if paused in ("owner", "active_hours") else None
     if not out["updated"]:
         out["updated"] = float(clock.now() if now is None else now)
     PeerRecord.parse_obj(out)  # raises ValueError (pydantic's ValidationError) on a bad peer_id

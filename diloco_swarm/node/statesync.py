@@ -141,6 +141,18 @@ class StateSync:
                      f"{self.state.step} on a new lineage that owes the {owed} outer steps it could not download: "
                      f"the swarm's lineage stays ahead until ours has made {owed} more outer steps than it")
 
+    def resume(self) -> bool:
+        """After a pause (node/pause.py): adopt the newest state the swarm's records back when it stands more
+        than one outer step ahead of ours (the lagging rule, as :meth:`catch_up`); one step behind is a late
+        peer's normal case, met in the next round. :returns: True when a state was adopted."""
+        if self.stop.requested:
+            return False
+        evidence = self.evidence()
+        newest = evidence.supported_step
+        if newest <= self.state.standing + 1:
+            return False
+        return self.download_and_adopt(min_step=newest, reason="resume", candidates=evidence.donors_at(newest))
+
     def evidence(self) -> Evidence:
         """:func:`gather_evidence` from a fresh read of the swarm's signed records."""
         entries = read_peer_entries(self.dht, self.spec.run_id, organiser=self.spec.organiser)
