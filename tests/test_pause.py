@@ -78,10 +78,10 @@ def test_the_control_file_is_the_owners_word_and_the_watch_reads_it_at_most_once
 
 # ------------------------------------------------------------------------------ the record and the round
 def _snapshot(**over) -> dict:
-    return dict(peer_id="12D3KooWPaused", name="p", version="0", device="cpu", precision="fp32", reachability="public",
-                outer_step=4, tokens_per_s=0.0, loss=None, eval_loss=None, tokens_total=0, bytes_sent=0,
-                bytes_received=0, last_round_group_size=0, last_round_s=0.0, last_round_ok=None, failed_rounds=0,
-                goodput=0.5, uptime_s=1.0, updated=time.time(), **over)
+    return {**dict(peer_id="12D3KooWPaused", name="p", version="0", device="cpu", precision="fp32", reachability="public",
+                   outer_step=4, tokens_per_s=0.0, loss=None, eval_loss=None, tokens_total=0, bytes_sent=0,
+                   bytes_received=0, last_round_group_size=0, last_round_s=0.0, last_round_ok=None, failed_rounds=0,
+                   goodput=0.5, uptime_s=1.0, updated=time.time()), **over}
 
 
 def test_the_record_carries_paused_and_records_without_it_still_parse():
@@ -174,3 +174,25 @@ def test_pause_says_whether_a_node_runs_and_records_the_pause_either_way(tmp_pat
     out = run("resume", "--state-dir", str(state), cwd=tmp_path)
     assert out.returncode == 1 and "the recorded pause is cleared" in out.stderr, out.stderr
     assert not (state / CONTROL_FILE).exists()
+
+
+def test_status_and_the_dashboard_mark_a_paused_peer():
+    from rich.console import Console
+
+    from diloco_swarm.cli.status import render_table
+    from diloco_swarm.dashboard.render import _peer_table
+
+    def row(peer_id, paused, state="online"):
+        return {**normalize_snapshot(_snapshot(peer_id=peer_id, paused=paused)), "owner": peer_id.lower()[-12:],
+                "state": state, "age_s": 1.0}
+
+    rows = [row("12D3KooWAwake", None), row("12D3KooWOwner", "owner"), row("12D3KooWHours", "active_hours"),
+            row("12D3KooWGone", "owner", state="gone")]
+    console = Console(width=160, record=True)
+    console.print(render_table(rows, "run", width=160))
+    lines = {line.split()[1]: line for line in console.export_text().splitlines() if "12D3KooW" in line}
+    assert "paused" not in lines["12D3KooWAwake"] and "paused" not in lines["12D3KooWGone"]
+    assert "online, paused" in lines["12D3KooWOwner"] and "(hours)" not in lines["12D3KooWOwner"]
+    assert "online, paused (hours)" in lines["12D3KooWHours"]
+    html = _peer_table({"peers": rows, "totals": {}, "config": {"stale_after_s": 15, "gone_after_s": 60, "keep_gone_s": 600}}, {})
+    assert html.count('<span class="badge paused" title=') == 2 and 'title="outside its active hours"' in html

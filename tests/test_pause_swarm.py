@@ -77,6 +77,8 @@ def test_a_paused_peer_stays_known_nobody_waits_for_it_and_it_rejoins_the_lineag
         time.sleep(5.0)
         cpu = cpu_seconds([c.proc.pid])[c.proc.pid][1] - cpu0
         assert cpu < 0.3 * 5.0, cpu  # an inner phase keeps its thread busy (--threads 1: ~1 CPU s per s)
+        print(f"paused: c's main process used {cpu:.2f} CPU s in 5 s; {n.name}'s rounds {usual:.2f} s apart before, "
+              f"{statistics.median(gaps):.2f} s while c was paused")
         rows = _status_rows(swarm, a)
         assert rows[c_id]["paused"] == "owner" and rows[c_id]["state"] == "online", rows[c_id]
         assert rows[c_id]["tokens_per_s"] == 0.0

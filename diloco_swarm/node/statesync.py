@@ -229,7 +229,7 @@ class StateSync:
           their own θ_global. We wait for those whose live record is behind, and for the peers we
           saw in the last 2 minutes whose record then expired (3 re-signing periods) while their
           process still answers a ping: a node paused or starved for longer than that, or restarted,
-          is still coming. One that said goodbye left; one whose pings all fail (or hang past their
+          is still coming. A paused one (its record's ``paused``) is not waited for. One that said goodbye left; one whose pings all fail (or hang past their
           bound) for :data:`LINGER_GONE_AFTER_S` crashed or left; a client cannot be asked, so its
           expired record ends the wait for it. A DHT that answers no read for as long ends the wait.
         - **Peers at our step on another θ_global** (the last round failed its confirmation, e.g. a
@@ -264,6 +264,9 @@ class StateSync:
             for e in entries:
                 r = e.record
                 if r is None or r.peer_id == self.peer_id or records.get(r.peer_id) is not r:
+                    continue
+                if r.paused is not None:  # (node/pause.py) it may be paused for hours: nobody waits for it
+                    behind.pop(r.peer_id, None)
                     continue
                 if standing(r.outer_step, r.restarted_below) < self.state.standing:
                     behind[r.peer_id] = (r.outer_step, e.owner, r.reachability != "client")
