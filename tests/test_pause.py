@@ -196,3 +196,21 @@ def test_status_and_the_dashboard_mark_a_paused_peer():
     assert "online, paused (hours)" in lines["12D3KooWHours"]
     html = _peer_table({"peers": rows, "totals": {}, "config": {"stale_after_s": 15, "gone_after_s": 60, "keep_gone_s": 600}}, {})
     assert html.count('<span class="badge paused" title=') == 2 and 'title="outside its active hours"' in html
+
+
+def test_a_round_reads_the_training_peers_and_a_planned_member_turned_paused_has_moved_on(monkeypatch):
+    import diloco_swarm.node.round as round_module
+    from test_dylu import make_round
+
+    records = {"me": _rec(), "b": _rec(), "z": _rec(paused="owner")}
+    monkeypatch.setattr(round_module, "read_peer_records", lambda dht, run_id, organiser=None: dict(records))
+    r = make_round()
+    assert set(r._read_records()) == {"me", "b"} and r._paused == {"z"}
+    # a forming round stops waiting for z (planned before its record said paused); b at our step may still come
+    assert r.moved_on(["b", "z"], round_no=4) == {"z"}
+    # nobody else trains: the round is solo even though z still announces its state to joiners
+    r.p.averager = SimpleNamespace(donors=lambda: {"z": 4.0})
+    records.pop("b")
+    handoff = SimpleNamespace(delta=[], standing=4, inner_s=1.0, tokens=1, carried=None)
+    outcome = r._average(handoff, control=None)
+    assert outcome.alone and outcome.result.reason == "no other peer online", outcome.result
