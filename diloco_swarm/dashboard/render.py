@@ -141,10 +141,12 @@ def _peer_table(doc: dict[str, Any], colors: dict[str, int]) -> str:
         reach = {"public": "public", "unverified": "public?", "client": "client"}.get(r.get("reachability"), "–")
         version = text(r.get("version"), 32)
         heard = "said goodbye" if r.get("left") else f'heard {fmt_duration(r.get("age_s"))} ago'
+        paused = ""  # in the swarm, training no more for now (node/pause.py)
+        if r.get("paused") and state != "gone":
+            why = "outside its active hours" if r["paused"] == "active_hours" else "by its owner"
+            paused = f'<br><span class="badge paused" title="{why}">paused</span>'
         cells = [
-            f'<span class="badge {state}">{state}</span>' + (  # paused: in the swarm, training no more (node/pause.py)
-                f'<br><span class="badge paused" title="{"outside its active hours" if r["paused"] == "active_hours" else "by its owner"}">paused</span>'
-                if r.get("paused") and state != "gone" else ""),
+            f'<span class="badge {state}">{state}</span>{paused}',
             peer,
             f'{text(r.get("device"), 64)} <span class="dim">{text(r.get("precision"), 16)}</span>'
             + (f'<br><span class="dim">v{version}</span>' if version else ""),

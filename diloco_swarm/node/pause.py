@@ -26,7 +26,7 @@ from typing import Literal
 CONTROL_FILE = "paused"  # in the state dir: present = paused by its owner
 POLL_S = 1.0  # the control file and the clock are looked at this often
 
-_WINDOW = re.compile(r"^\s*(\d{1,2}):(\d{2})\s*-\s*(\d{1,2}):(\d{2})\s*$")
+_WINDOW = re.compile(r"^\s*([0-9]{1,2}):([0-9]{2})\s*-\s*([0-9]{1,2}):([0-9]{2})\s*$")
 
 
 @dataclass(frozen=True)
@@ -76,9 +76,10 @@ class Paused:
     until: str | None = None
 
     def describe(self) -> str:
-        """The status line's words: ``paused by its owner`` / ``paused: outside active hours until 22:00``."""
+        """The status line's words: ``paused by its owner until diloco-node resume`` / ``paused: outside
+        active hours until 22:00``."""
         if self.why == "owner":
-            return "paused by its owner (diloco-node resume)"
+            return "paused by its owner until diloco-node resume"
         return f"paused: outside active hours until {self.until}"
 
 

@@ -302,8 +302,8 @@ class Node(Startup):
         return loss.item()
 
     def _sit_out(self, paused: Paused) -> None:
-        """Paused (node/pause.py): the round in flight ends by its own rules and is applied (never half an
-        outer step), then the node trains nothing until resumed. Its record stays published and re-signed,
+        """Paused (node/pause.py): the round in flight ends by its own rules (applied, held or given up: never
+        half an outer step), then the node trains nothing until resumed. Its record stays published and re-signed,
         saying ``paused``, so no round waits for it (rule 66). On resume it takes the swarm's state when the
         swarm has moved on by two steps or more (``StateSync.resume``); one step behind, its next round meets
         the swarm's as a late peer's does."""
@@ -321,13 +321,13 @@ class Node(Startup):
                 self.stop.event.wait(POLL_S)
                 paused = self.pauses.now()
         finally:
-            self.stats.paused, why = None, self.stats.paused
+            self.stats.paused, last = None, self.stats.paused
             self.stats.paused_s += time.monotonic() - started
         if self.stop.requested:
             return
         paused_s = time.monotonic() - started
         self.metrics.write({"event": "resume", "peer_id": self.peer_id, "outer_step": self.outer_step,
-                            "paused_s": round(paused_s, 3), "why": why.why if why else None})
+                            "paused_s": round(paused_s, 3), "why": last.why if last else None})
         self.housekeeping.publish_soon()  # "training again": the next rounds plan with us
         self.status.log(f"resumed after {paused_s:.0f}s paused, at outer step {self.outer_step}")
         if self.state_sync.resume():  # the swarm moved on: θ_local now starts at its state
