@@ -5,10 +5,12 @@ on the swarm's lineage."""
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta
 
 import pytest
 
@@ -112,6 +114,20 @@ def test_a_paused_peer_stays_known_nobody_waits_for_it_and_it_rejoins_the_lineag
         swarm.wait(lambda: all(len(_ok_rounds(n, second["time"] + 1)) >= 2 for n in (a, b)), 2 * ROUND_S,
                    "a and b verify rounds while c is paused again", [a, b, c])
         # a paused node stops on a signal as any other: a clean leave, exit 0
+        c.proc.send_signal(signal.SIGINT)
+        assert swarm.wait_exit(c, 60) == 0 and c.events("stop")[-1]["graceful"] is True
+
+        # 4. the pause outlives a restart; outside its --active-hours the resumed node stays paused, and says until when
+        soon = datetime.now() + timedelta(hours=2)
+        hours, opens = f"{soon:%H:%M}-{soon + timedelta(hours=1):%H:%M}", f"{soon:%H:%M}"
+        c = swarm.start("c", "--active-hours", hours, initial=a)
+        swarm.wait(lambda: len(c.events("pause")) >= 3, START_S, "c starts paused", c)
+        assert c.events("pause")[2]["why"] == "owner" and not [e for e in c.outer_steps() if e["time"] > second["time"]]
+        _pause(swarm, c, "resume")
+        window = swarm.wait(lambda: c.events("pause")[3:] and c.events("pause")[3], 30, "c pauses for its hours", c)
+        assert (window["why"], window["until"]) == ("active_hours", opens), window
+        swarm.wait(lambda: f"paused: outside active hours until {opens}" in c.output(), 30, "c's status line", c)
+        swarm.wait(lambda: _status_rows(swarm, a)[c_id]["paused"] == "active_hours", 60, "its record says why", c)
+        assert not c.events("resume")[1:] and not [e for e in c.events("averaging_start") if e["time"] > second["time"]]
         codes = swarm.leave()
         assert codes == {"a": 0, "b": 0, "c": 0}, codes
-        assert c.events("stop")[-1]["graceful"] is True and not c.events("resume")[1:]
