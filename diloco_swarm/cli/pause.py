@@ -19,7 +19,7 @@ from diloco_swarm.cli.common import err, fail, require_node
 from diloco_swarm.cli.text import DEFAULT_STATE_DIR, printable
 
 NOT_RUNNING = 1
-STATE_DIR_HELP = f"State dir of the node (its `join --state-dir`; default: {DEFAULT_STATE_DIR})."
+STATE_DIR_HELP = "State dir of the node (its `join --state-dir`)."
 
 
 def _node_running(state_dir: Path, command: str) -> bool:
