@@ -15,9 +15,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
-PROTOCOL_VERSION = 6  # 2: sync_mode; records carry inner_step_s. 3: int8 codec version 2 (linear map). 4: records
+PROTOCOL_VERSION = 7  # 2: sync_mode; records carry inner_step_s. 3: int8 codec version 2 (linear map). 4: records
 # carry avoided_peers, reducers take the skipped mean (issue 37). 5: private runs (spec organiser, records' admission).
-# 6: a restarted lineage's debt (records', gathered and state metadata's restarted_below), records' eval_outer_step
+# 6: a restarted lineage's debt (records', gathered and state metadata's restarted_below), records' eval_outer_step.
+# 7: records' paused (a paused peer stays in the swarm; no round waits for it), the ledger's verified_rounds and
+# rounds_with; gathered metadata's receive_mbps (a download cap, issue 39)
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
 RUN_ID_MAX = 64
 # Fields added after the first release, with the value every earlier run implicitly had. A spec

@@ -297,7 +297,7 @@ def bare_node(events, overlap=True):
 
     params, outer, fake, sync = setup(events, overlap=overlap)
     node = Node.__new__(Node)
-    node.params, node.sync, node.stats, node.peer_id = params, sync, NodeStats(), "me"
+    node.params, node.sync, node.stats, node.peer_id, node._unsent_tokens = params, sync, NodeStats(), "me", 0
     node.state = GlobalState(outer, lock=threading.Lock(), history=ThetaHistory(), marks=node.stats.theta_marks)
     node.state.digest = lambda: f"step {node.state.step}"
     node.mixer = ThetaMixer(node.state, averager=None, peer_id="me", stats=node.stats, supported_step=lambda: 0,

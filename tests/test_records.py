@@ -116,6 +116,10 @@ def test_normalize_snapshot_coerces_clamps_and_drops():
     # every field of the record is kept (a field the schema has and this drops makes the DHT refuse every record)
     assert set(out) == set(PeerRecord.__fields__)
     assert normalize_snapshot(snapshot(inner_step_s=0.25), now=1.0)["inner_step_s"] == 0.25
+    # paused (node/pause.py): always sent, None while training; only the two reasons pass
+    assert out["paused"] is None
+    assert [normalize_snapshot(snapshot(paused=v), now=1.0)["paused"]
+            for v in ("owner", "active_hours", "asleep", 1)] == ["owner", "active_hours", None, None]
     # the grid round in flight: None when in none, an int clamped to [0, MAX_COUNT] otherwise
     assert out["averaging_round"] is None
     assert [normalize_snapshot(snapshot(averaging_round=v), now=1.0)["averaging_round"]

@@ -30,7 +30,8 @@ from diloco_swarm.cli.dashboard import dashboard
 from diloco_swarm.cli.private import invite as invite_command
 from diloco_swarm.cli.probe import probe
 from diloco_swarm.cli.status import status
-from diloco_swarm.cli.text import DEFAULT_RUN_ID, printable
+from diloco_swarm.cli.pause import pause, resume
+from diloco_swarm.cli.text import DEFAULT_RUN_ID, DEFAULT_STATE_DIR, printable
 from diloco_swarm.node.inner import INNER_OPTIMIZERS
 
 # Every command, --help included, imports this module: the imports above are what all of them need
@@ -100,7 +101,6 @@ class Compression(str, Enum):
 
 MAX_THREADS = 256  # --threads: far beyond any CPU node; 100,000 made the OpenMP pool exhaust memory
 MAX_NAME = 64  # = dht/records.py MAX_NAME (not imported here: it loads hivemind)
-DEFAULT_STATE_DIR = Path("diloco-state")
 
 
 class SyncMode(str, Enum):
@@ -153,6 +153,7 @@ def join(
     allreduce_timeout: Annotated[float, typer.Option(min=1.0, max=3600.0, help="Seconds the all-reduce may take once a group formed.", rich_help_panel=AVERAGING)] = 60.0,
     max_upload_mbps: Annotated[Optional[float], typer.Option(min=MIN_CAP_MBPS, max=MAX_CAP_MBPS, help=f"Cap this node's upload in Mbit/s (at least {MIN_CAP_MBPS:g}): every byte of its averaging rounds and state donations. Its rounds are sized to it: a smaller slice of each all-reduce, and groups wait for it. Default: no cap.", show_default=False, rich_help_panel=LOCAL)] = None,
     max_download_mbps: Annotated[Optional[float], typer.Option(min=MIN_CAP_MBPS, max=MAX_CAP_MBPS, help=f"Cap this node's download in Mbit/s (at least {MIN_CAP_MBPS:g}), likewise: averaging rounds and state downloads. Default: no cap.", show_default=False, rich_help_panel=LOCAL)] = None,
+    active_hours: Annotated[Optional[str], typer.Option(metavar="HH:MM-HH:MM", help="Train only inside this daily window of local time (it may wrap midnight: 22:00-07:00); outside it the node pauses, staying in the swarm. `diloco-node pause` / `resume` pause it by hand. Default: all day.", show_default=False, rich_help_panel=LOCAL)] = None,
     eval_budget: Annotated[float, typer.Option(min=0.0, max=1.0, help="Evaluate the held-out loss after an outer step only while evaluation has taken less than this share of wall time (0.02 = 2%); the last value is reported in between.", rich_help_panel=LOCAL)] = 0.02,
 ) -> None:
     """Join (or start) a training swarm and train until stopped.
@@ -187,6 +188,12 @@ def join(
         raise fail("--matchmaking-time must be shorter than --averaging-window")
     if client_mode and public:
         raise fail("--client-mode and --public contradict each other; give at most one")
+    from diloco_swarm.node.pause import ActiveHours  # lazy (stdlib only)
+
+    try:
+        hours = None if active_hours is None else ActiveHours.parse(active_hours)
+    except ValueError as e:
+        raise fail(str(e))
     if len(name) > MAX_NAME:  # peer records hold at most MAX_NAME characters
         err.print(f"warning: --name is {len(name)} characters long; other peers see only its first {MAX_NAME}: "
                   f"{escape(repr(printable(name[:MAX_NAME])))}", soft_wrap=True)
@@ -264,6 +271,7 @@ def join(
         name=name,
         wait_for_peers=wait_for_peers,
         eval_budget=eval_budget,
+        active_hours=hours,
         invitation=access.invitation,
         private_files=access.saves,
         join_flags=_spec_flags_to_repeat(dataset=dataset, model=model, tokenizer=tokenizer, inner_steps=inner_steps, seq_len=seq_len,
@@ -473,3 +481,5 @@ app.command()(status)
 app.command()(dashboard)
 app.command()(probe)
 app.command()(invite_command)
+app.command()(pause)
+app.command()(resume)

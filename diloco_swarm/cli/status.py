@@ -217,6 +217,8 @@ def render_table(rows: list[dict[str, Any]], run_id: str, width: int = 120) -> T
         if r["failed_rounds"]:
             rnd.append(f" ({r['failed_rounds']} in all)" if last_failed else f" ({r['failed_rounds']} failed)", style="red")
         state = Text(r["state"], style="green" if r["state"] == "online" else "yellow")
+        if r.get("paused") and r["state"] != "gone":  # in the swarm, training no more for now (node/pause.py)
+            state = Text(f"{r['state']}, paused" + (" (hours)" if r["paused"] == "active_hours" else ""), style="yellow")
         reach = Text(printable(r["reachability"]))
         if wide:
             cells = [peer, state, Text(printable(f"{r['device']} {r['precision']}").strip()), str(r["outer_step"]),

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 DEFAULT_RUN_ID = "diloco-demo"  # the run of every command given no --run-id (join, status, dashboard)
+DEFAULT_STATE_DIR = Path("diloco-state")  # the state dir of join, pause and resume given no --state-dir
 
 
 def printable(value: Any) -> str:

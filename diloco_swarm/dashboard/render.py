@@ -142,8 +142,12 @@ def _peer_table(doc: dict[str, Any], colors: dict[str, int]) -> str:
         reach = {"public": "public", "unverified": "public?", "client": "client"}.get(r.get("reachability"), "–")
         version = text(r.get("version"), 32)
         heard = "said goodbye" if r.get("left") else f'heard {fmt_duration(r.get("age_s"))} ago'
+        paused = ""  # in the swarm, training no more for now (node/pause.py)
+        if r.get("paused") and state != "gone":
+            why = "outside its active hours" if r["paused"] == "active_hours" else "by its owner"
+            paused = f'<br><span class="badge paused" title="{why}">paused</span>'
         cells = [
-            f'<span class="badge {state}">{state}</span>',
+            f'<span class="badge {state}">{state}</span>{paused}',
             peer,
             f'{text(r.get("device"), 64)} <span class="dim">{text(r.get("precision"), 16)}</span>'
             + (f'<br><span class="dim">v{version}</span>' if version else ""),
@@ -191,7 +195,9 @@ def _states_legend(doc: dict[str, Any]) -> str:
         f'<li><span class="badge stale">stale</span> silent for {fmt_duration(c["stale_after_s"])}–'
         f'{fmt_duration(c["gone_after_s"])}: busy, stuck or crashed</li>'
         f'<li><span class="badge gone">gone</span> left, or silent for longer; listed for '
-        f'{fmt_duration(c["keep_gone_s"])}</li></ul>'
+        f'{fmt_duration(c["keep_gone_s"])}</li>'
+        '<li><span class="badge paused">paused</span> in the swarm, training no more for now (by its owner, or '
+        'outside its active hours): no round waits for it</li></ul>'
     )
 
 
@@ -289,7 +295,7 @@ code.pid{font-size:.8rem;color:var(--dim);white-space:nowrap}
 tr.stale td{opacity:.55}tr.gone td{opacity:.38}tr.gone .name{text-decoration:line-through}
 .badge{display:inline-block;border-radius:99px;padding:0 8px;font-size:.75rem;font-weight:600;border:1px solid}
 .warning{color:var(--bad);font-weight:600;margin:4px 0 10px}
-.badge.online{color:var(--ok)}.badge.stale{color:var(--warn)}.badge.gone{color:var(--dim)}
+.badge.online{color:var(--ok)}.badge.stale{color:var(--warn)}.badge.gone{color:var(--dim)}.badge.paused{color:var(--warn)}
 .dim{color:var(--dim)}.bad{color:var(--bad)}
 .leaderboard,.avoided-list{margin-top:12px}.badge.self{color:var(--warn)}.note{font-size:.82rem;margin:8px 0 0}
 .avoided-list{margin-top:12px}.avoided-list ul{margin:0;padding-left:18px;font-size:.88rem}

@@ -182,6 +182,9 @@ class PeerRecord(pv1.BaseModel):
     # (its own word), and what it witnessed of its most recent partners (the evidence for theirs)
     verified_rounds: pv1.conint(strict=True, ge=0, le=MAX_COUNT) = 0
     rounds_with: pv1.conlist(RoundsWith, max_items=MAX_PARTNERS) = []
+    # why this peer trains no more for now (node/pause.py): its owner paused it, or it is outside its
+    # --active-hours; None while it trains (and in older records). No round waits for a paused peer
+    paused: Optional[Literal["owner", "active_hours"]] = None
 
     class Config:
         extra = pv1.Extra.forbid
@@ -254,6 +257,8 @@ def normalize_snapshot(snapshot: dict[str, Any], *, now: float | None = None) ->
     out["admission"] = snapshot.get("admission")  # invites.Invitation.admission_pass(), or None
     at = snapshot.get("eval_outer_step")
     out["eval_outer_step"] = None if out["eval_loss"] is None or at is None else _int(at, MAX_COUNT)
+    paused = snapshot.get("paused")
+    out["paused"] = paused if paused in ("owner", "active_hours") else None
     if not out["updated"]:
         out["updated"] = float(clock.now() if now is None else now)
     PeerRecord.parse_obj(out)  # raises ValueError (pydantic's ValidationError) on a bad peer_id

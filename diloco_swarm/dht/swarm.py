@@ -111,10 +111,15 @@ def listen_maddrs(host: str, port: int) -> list[str]:
     return [f"/{proto}/{host}/tcp/{port}"]
 
 
+class StateDirBusy(SwarmError):
+    """Another process (a running node) holds the state dir's lock."""
+
+
 class StateDirLock:
     """An exclusive POSIX lock on ``state_dir/node.lock``: one node per state dir.
 
-    :raises SwarmError: another process holds the lock, or the directory cannot be created or written.
+    :raises StateDirBusy: another process holds the lock.
+    :raises SwarmError: the directory cannot be created or written.
     """
 
     def __init__(self, state_dir: Path):
@@ -138,7 +143,7 @@ class StateDirLock:
             fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(self._fd)
-            raise SwarmError(f"another diloco-node is running with state dir {state_dir}; give each node its own --state-dir")
+            raise StateDirBusy(f"another diloco-node is running with state dir {state_dir}; give each node its own --state-dir")
         os.ftruncate(self._fd, 0)
         os.write(self._fd, f"{os.getpid()}\n".encode())
 

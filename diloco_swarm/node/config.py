@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diloco_swarm.invites import Invitation
+from diloco_swarm.node.pause import ActiveHours
 from diloco_swarm.spec import RunSpec
 
 
@@ -49,5 +50,6 @@ class NodeConfig:
     name: str = ""
     eval_budget: float = 0.02  # evaluate after a round only while evaluation has cost < this share of wall time
     join_flags: list[str] = field(default_factory=list)  # run-spec flags a joiner must repeat (shown in the join line)
+    active_hours: ActiveHours | None = None  # --active-hours: train only inside this local-time window (node/pause.py)
     invitation: Invitation | None = None
     private_files: tuple = ()  # (path, text) pairs to save in the state dir once it is ours (cli/private.py)  # a private run: what admits us (cli/private.py); None in a public run

@@ -145,7 +145,9 @@ class StatusLine:
     @staticmethod
     def render(f: dict[str, Any]) -> str:
         """One status line from :meth:`NodeStats.status` fields; ``phase_steps`` is this phase's own
-        target (DyLU), ``inner_steps`` the run's nominal H."""
+        target (DyLU), ``inner_steps`` the run's nominal H; ``paused``: why the node trains no more for now."""
+        if f.get("paused"):  # no phase runs: say so, and why, instead of a stale inner step
+            return " | ".join([f"outer {f.get('outer_step', 0)}", f["paused"], f"peers {f.get('peers_seen', 1)}"])
         parts = [
             f"outer {f.get('outer_step', 0)}",
             _inner_progress(f.get("inner_step", 0), f.get("phase_steps") or f.get("inner_steps"), bool(f.get("waiting"))),

@@ -74,6 +74,7 @@ class Round:
         self._warned_no_public = False
         self._last_rebootstrap = 0.0
         self._moved_on_read: tuple[float, dict[str, Any]] = (float("-inf"), {})  # (time.monotonic(), records)
+        self._paused: frozenset[str] = frozenset()  # the peers whose records, as read last, say they are paused
 
     def run(self, handoff: Handoff, control: RoundControl) -> RoundOutcome:
         """One round, in its phases. Never raises: a failure is an outcome with ``ok=False``, which
@@ -142,7 +143,7 @@ class Round:
                 return self._skipped(policy.Solo("no public peer: every peer is a client"), own)
             records = self._read_records()  # a public peer answered the re-dial: read who is there now
         p.swarm.note(records)  # fresh for the phase that follows this round (a re-sync aims at the swarm's hand-off)
-        donors = bool(p.averager.donors())
+        donors = bool(set(p.averager.donors()) - self._paused)  # a paused peer still serves its state: no round partner
         alone = policy.nobody_online(records, me=p.peer_id, donors=donors)
         early = policy.before_plan(records, me=p.peer_id, donors=donors, overlap=p.overlap,
                                    max_outer_steps=p.cfg.max_outer_steps)
@@ -202,7 +203,7 @@ class Round:
         (clients serve no DHT calls: they cannot be asked). A member that dies after this plan is
         found gone past ``due`` (``RoundRequest.members_due``)."""
         p = self.p
-        others = p.swarm.round_peers(records)
+        others = p.swarm.round_peers(records, paused=self._paused)
         seen = time.monotonic()
         view = dict(me=p.peer_id, silent_s={q: p.swarm.silent_s(q, seen) for q in others},
                     max_silent_s=policy.SILENT_RECORDS * p.records.interval_s, first_round=p.stats.last_round is None,
@@ -258,7 +259,8 @@ class Round:
         """Those of a forming round's late ``peers`` whose records show an outer step past ``round_no``
         (they averaged it before we arrived: our plan counted them in, theirs counted us late) or a later
         round in flight (they planned with a newer view of the swarm, ``grouping.moved_past``), so the
-        round stops waiting for them and our Δ goes into the next round. Reads the records at most every
+        round stops waiting for them and our Δ goes into the next round; so has one whose record says it
+        paused since our plan (it hands off no Δ until resumed). Reads the records at most every
         :data:`MOVED_ON_READ_EVERY_S`; never raises (a failed read finds nobody)."""
         now = time.monotonic()
         if now - self._moved_on_read[0] >= MOVED_ON_READ_EVERY_S:
@@ -267,14 +269,17 @@ class Round:
             except Exception:
                 self._moved_on_read = (now, {})
         records = self._moved_on_read[1]
-        return {q for q in peers if q in records
+        return {q for q in peers if q in self._paused or q in records
                 and moved_past(round_no, standing(records[q].outer_step, records[q].restarted_below),
                                records[q].averaging_round)}
 
     def _read_records(self) -> dict[str, Any]:
-        """The run's signed peer records (dht/records.py).
+        """The run's signed peer records (dht/records.py) of the peers that train now (paused ones left out).
         :raises ChildUnavailable: the DHT did not answer in time (the round then fails)."""
-        return read_peer_records(self.p.dht, self.p.run_id, organiser=self.p.organiser)
+        records = read_peer_records(self.p.dht, self.p.run_id, organiser=self.p.organiser)
+        training = policy.training(records)  # no round plans with, counts or waits for a paused peer
+        self._paused = frozenset(records) - frozenset(training)
+        return training
 
     def _public_peer_online(self, records: dict[str, Any]) -> bool:
         """Whether a group can form for us: always for a full peer; a client needs a public peer

@@ -92,6 +92,12 @@ def seconds_to_handoff(phase_eta: float, now: float, *, silent_s: float, max_sil
     return phase_eta - now if phase_eta > 0.0 else 0.0
 
 
+def training(records: Mapping[str, Any]) -> dict[str, Any]:
+    """The records of the peers that train now: a paused peer (its record's ``paused``, node/pause.py)
+    stays known, but is in no round's plan, online count, quorum or median."""
+    return {p: r for p, r in records.items() if getattr(r, "paused", None) is None}
+
+
 def nobody_online(records: Mapping[str, Any], *, me: str, donors: bool) -> bool:
     """No other peer online: no record but ours, and no state donor announced. A round then ends
     alone (``RoundOutcome.alone``), and its own Δ is applied (:func:`settle`)."""

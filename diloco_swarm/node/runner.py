@@ -41,6 +41,7 @@ from diloco_swarm.node.invitation import OurPass
 from diloco_swarm.node.global_state import GlobalState, ThetaHistory
 from diloco_swarm.node.mixing import ThetaMixer
 from diloco_swarm.node.outer_sync import Carried, Handoff, OuterSync, Preview, RoundOutcome
+from diloco_swarm.node.pause import POLL_S, Paused, PauseWatch
 from diloco_swarm.node.report import MetricsWriter, StatusLine, round_fields
 from diloco_swarm.node.round import Round
 from diloco_swarm.node.signals import StopFlag
@@ -57,6 +58,7 @@ MAX_PHASE_BATCHES = 1 << 40  # the batch stream of a phase is open-ended: the lo
 ROUND_GIVE_UP_S = 15.0  # a round given up gets this long to end
 ROUND_WAIT_POLL_S = 0.5  # a training thread waiting for a round looks at the stop flag this often
 SWARM_REFRESH_S = 5.0  # a phase planned before we knew our speed re-reads the swarm's records this often
+PAUSED_UPKEEP_S = 10.0  # a paused node reads the swarm's records this often (its status line's peer count)
 GRID_DIMS_GUESS = 3  # with --target-group-size set, keep mixing references for a grid this deep until one is planned
 
 
@@ -104,6 +106,8 @@ class Node(Startup):
         self._carried: Carried | None = None  # late rounds whose Δ θ_local still holds (outer_sync.hold)
         self._last_phase_index = -1  # data and LR warm-up index of the last phase (a late round repeats no data)
         self._preview = Preview()  # of the round in flight: its average taken into θ_local as it arrives
+        self.pauses = PauseWatch(config.state_dir, config.active_hours)  # `diloco-node pause`, --active-hours
+        self._unsent_tokens = 0  # tokens of a phase cut short by a pause: θ_local keeps its steps for the next hand-off
 
     def run(self) -> None:
         """Set up, train until ``max_outer_steps`` or a stop signal, then leave cleanly.
@@ -138,6 +142,10 @@ class Node(Startup):
                         self.state_sync.end_on_one_model(in_grid=self._ended_in_grid)
                         break
                     self._apply_round(wait=True)  # the last round: nothing left to overlap it with
+                    continue
+                paused = self.pauses.now()
+                if paused is not None:
+                    self._sit_out(paused)
                     continue
                 handoff = self._inner_phase()
                 trained = True
@@ -196,6 +204,9 @@ class Node(Startup):
         for i, (x, y) in enumerate(self.sampler.batches_for_outer_step(phase_index, MAX_PHASE_BATCHES)):
             if self.stop.requested:
                 self.stats.wasted_inner_s += self.stats.inner_s - inner_before
+                return None
+            if self.pauses.now() is not None:  # θ_local keeps the steps so far: the next hand-off carries them
+                self._unsent_tokens += tokens
                 return None
             t0 = time.monotonic()
             lr_scale = min(1.0, (phase_index * spec.inner_steps + i + 1) / WARMUP_INNER_STEPS)
@@ -270,6 +281,7 @@ class Node(Startup):
                 f"lower ones"
             )
         carried, self._carried = self._carried, None  # Δ already holds it: θ_local kept the late rounds' work
+        tokens, self._unsent_tokens = tokens + self._unsent_tokens, 0  # (a phase cut short by a pause)
         return Handoff(delta=delta, tokens=tokens + (carried.tokens if carried else 0), inner_steps=steps,
                        inner_s=inner_s, loss=loss, outer_step=self.outer_step, restarted_below=self.state.restarted_below,
                        theta_digest=self.state.digest(), marks=self.state.reference_marks(), started=time.monotonic(),
@@ -288,6 +300,49 @@ class Node(Startup):
         self.inner_opt.zero_grad(set_to_none=True)
         self.stats.inner_steps_total += 1
         return loss.item()
+
+    def _sit_out(self, paused: Paused) -> None:
+        """Paused (node/pause.py): the round in flight ends by its own rules (applied, held or given up: never
+        half an outer step), then the node trains nothing until resumed. Its record stays published and re-signed,
+        saying ``paused``, so no round waits for it (rule 66). On resume it takes the swarm's state when the
+        swarm has moved on by two steps or more (``StateSync.resume``); one step behind, its next round meets
+        the swarm's as a late peer's does."""
+        if self.sync.in_flight and not self._finish_round_in_flight():
+            return  # a stop was requested meanwhile
+        started, last_upkeep = time.monotonic(), time.monotonic()
+        try:
+            while not self.stop.requested and paused is not None:
+                if paused != self.stats.paused:  # paused now, or for another reason (owner, the window)
+                    self._say_paused(paused)
+                if time.monotonic() - last_upkeep >= PAUSED_UPKEEP_S:
+                    last_upkeep = time.monotonic()
+                    self.housekeeping.upkeep_soon()
+                    self._status()
+                self.stop.event.wait(POLL_S)
+                paused = self.pauses.now()
+        finally:
+            self.stats.paused, last = None, self.stats.paused
+            self.stats.paused_s += time.monotonic() - started
+        if self.stop.requested:
+            return
+        paused_s = time.monotonic() - started
+        self.metrics.write({"event": "resume", "peer_id": self.peer_id, "outer_step": self.outer_step,
+                            "paused_s": round(paused_s, 3), "why": last.why if last else None})
+        self.housekeeping.publish_soon()  # "training again": the next rounds plan with us
+        self.status.log(f"resumed after {paused_s:.0f}s paused, at outer step {self.outer_step}")
+        if self.state_sync.resume():  # the swarm moved on: θ_local now starts at its state
+            self._carried, self._unsent_tokens = None, 0
+        self._status(force=True)
+
+    def _say_paused(self, paused: Paused) -> None:
+        """Our record, the metrics file and the log say we are paused, and why."""
+        self.stats.paused = paused
+        self.housekeeping.publish_soon()
+        self.metrics.write({"event": "pause", "peer_id": self.peer_id, "outer_step": self.outer_step,
+                            "why": paused.why, "until": paused.until})
+        self.status.log(f"outer step {self.outer_step}: {paused.describe()}; no inner steps until then (the "
+                        "record stays published; no round waits for this node)")
+        self._status(force=True)
 
     def _finish_round_in_flight(self) -> bool:
         """Wait for the round in flight and apply it (giving it up past its time bounds).

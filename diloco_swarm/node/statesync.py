@@ -141,6 +141,18 @@ class StateSync:
                      f"{self.state.step} on a new lineage that owes the {owed} outer steps it could not download: "
                      f"the swarm's lineage stays ahead until ours has made {owed} more outer steps than it")
 
+    def resume(self) -> bool:
+        """After a pause (node/pause.py): adopt the newest state the swarm's records back when it stands more
+        than one outer step ahead of ours (the lagging rule, as :meth:`catch_up`); one step behind is a late
+        peer's normal case, met in the next round. :returns: True when a state was adopted."""
+        if self.stop.requested:
+            return False
+        evidence = self.evidence()
+        newest = evidence.supported_step
+        if newest <= self.state.standing + 1:
+            return False
+        return self.download_and_adopt(min_step=newest, reason="resume", candidates=evidence.donors_at(newest))
+
     def evidence(self) -> Evidence:
         """:func:`gather_evidence` from a fresh read of the swarm's signed records."""
         entries = read_peer_entries(self.dht, self.spec.run_id, organiser=self.spec.organiser)
@@ -217,7 +229,7 @@ class StateSync:
           their own θ_global. We wait for those whose live record is behind, and for the peers we
           saw in the last 2 minutes whose record then expired (3 re-signing periods) while their
           process still answers a ping: a node paused or starved for longer than that, or restarted,
-          is still coming. One that said goodbye left; one whose pings all fail (or hang past their
+          is still coming. A paused one (its record's ``paused``) is not waited for. One that said goodbye left; one whose pings all fail (or hang past their
           bound) for :data:`LINGER_GONE_AFTER_S` crashed or left; a client cannot be asked, so its
           expired record ends the wait for it. A DHT that answers no read for as long ends the wait.
         - **Peers at our step on another θ_global** (the last round failed its confirmation, e.g. a
@@ -252,6 +264,9 @@ class StateSync:
             for e in entries:
                 r = e.record
                 if r is None or r.peer_id == self.peer_id or records.get(r.peer_id) is not r:
+                    continue
+                if r.paused is not None:  # (node/pause.py) it may be paused for hours: nobody waits for it
+                    behind.pop(r.peer_id, None)
                     continue
                 if standing(r.outer_step, r.restarted_below) < self.state.standing:
                     behind[r.peer_id] = (r.outer_step, e.owner, r.reachability != "client")

@@ -45,6 +45,8 @@ class NodeStats:
     inner_step_s: float | None = None  # seconds per inner step in the last phase (DyLU)
     phase_eta: float = 0.0  # unix time at which the current phase should end (0 = not training yet)
     averaging_round: int | None = None  # the grid round we look for a group in (grouping.round_number)
+    paused: Any = None  # node.pause.Paused while the node trains no more (its record's `paused`), else None
+    paused_s: float = 0.0  # wall seconds spent paused: not counted against goodput
     peers_seen: int = 1  # live peers, us included, as the start barrier counts them (the status line's `peers N`)
     last_round: dict[str, Any] | None = None
     avoided_peers: dict[str, str] = field(default_factory=dict)  # peer id -> why our averager shuns it (conduct.py)
@@ -61,8 +63,8 @@ class NodeStats:
         return time.monotonic() - self.started
 
     def goodput(self) -> float:
-        """Share of wall time spent in inner steps whose Δ was applied."""
-        total = self.wall_s()
+        """Share of wall time spent in inner steps whose Δ was applied (time paused on purpose left out)."""
+        total = self.wall_s() - self.paused_s
         return min(1.0, max(0.0, (self.inner_s - self.wasted_inner_s) / total)) if total > 0 else 0.0
 
     def count_round(self, result, mixing=None, me: str = "") -> None:
@@ -146,13 +148,13 @@ class NodeStats:
         """The fields of :class:`~diloco_swarm.node.report.StatusLine`."""
         return {**self.live, "outer_step": outer_step, "inner_steps": inner_steps, "peers_seen": self.peers_seen,
                 "last_round": self.last_round, "failed_rounds": self.failed_rounds, "reachability": reachability,
-                "goodput": self.goodput()}
+                "goodput": self.goodput(), "paused": self.paused.describe() if self.paused is not None else None}
 
     def peer_record(self) -> dict[str, Any]:
         """This node's measured fields of its signed peer record (dht/records.py)."""
         last = self.last_round or {}
         return {
-            "tokens_per_s": float(self.tokens_per_s or self.live.get("tokens_per_s", 0.0)),
+            "tokens_per_s": 0.0 if self.paused is not None else float(self.tokens_per_s or self.live.get("tokens_per_s", 0.0)),
             "loss": self.live.get("loss"),
             "eval_loss": self.eval_loss,
             "eval_outer_step": self.eval_outer_step if self.eval_loss is not None else None,
@@ -172,4 +174,5 @@ class NodeStats:
             "avoided_peers": self.avoided_peers,
             "verified_rounds": self.verified_rounds,
             "rounds_with": self.rounds_with,  # replaced, never changed in place: safe to read from the publisher
+            "paused": self.paused.why if self.paused is not None else None,
         }

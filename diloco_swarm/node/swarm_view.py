@@ -52,9 +52,11 @@ class SwarmView:
         recent.update((p, (now, list(r.maddrs))) for p, r in records.items()
                       if p != self.me and r.reachability != "client" and r.maddrs)
         self.recent_peers = recent
-        speeds = sorted(r.inner_step_s for r in records.values() if r.inner_step_s > 0)
+        # a paused peer (node/pause.py) keeps its last speed and hand-off time: neither sizes our phases
+        training = {p: r for p, r in records.items() if getattr(r, "paused", None) is None}
+        speeds = sorted(r.inner_step_s for r in training.values() if r.inner_step_s > 0)
         self.inner_step_s = speeds[len(speeds) // 2] if speeds else None
-        etas = sorted(r.phase_eta for p, r in records.items() if p != self.me and r.phase_eta > 0)
+        etas = sorted(r.phase_eta for p, r in training.items() if p != self.me and r.phase_eta > 0)
         self.phase_eta = etas[len(etas) // 2] if etas else None
 
     def _note_clocks(self, fresh: Mapping[str, float]) -> None:
@@ -85,12 +87,13 @@ class SwarmView:
         heard = self.heard.get(peer)
         return now - heard[1] if heard is not None else 0.0
 
-    def round_peers(self, records: Mapping[str, Any]) -> dict[str, Any]:
+    def round_peers(self, records: Mapping[str, Any], paused: frozenset[str] = frozenset()) -> dict[str, Any]:
         """The other peers a round plans with: this read's, plus those a read of the last
         :data:`GRID_MEMORY_S` seconds held (a read that misses a record, on a loaded machine, must not
-        give us a grid of our own). peer id -> its record."""
+        give us a grid of our own), less the ``paused`` ones this read found (no round waits for them).
+        peer id -> its record."""
         seen = time.monotonic()
-        kept = {p: (t, r) for p, (t, r) in self.grid_records.items() if seen - t < GRID_MEMORY_S}
+        kept = {p: (t, r) for p, (t, r) in self.grid_records.items() if seen - t < GRID_MEMORY_S and p not in paused}
         kept.update((p, (seen, r)) for p, r in records.items() if p != self.me)
         self.grid_records = kept
         return {p: r for p, (_, r) in kept.items()}
