@@ -199,8 +199,8 @@ def test_byte_runs_keep_their_spec_hash():
     s = spec(model="tiny", dataset="python-stdlib")
     assert "tokenizer" not in s.model_dump() and "vocab_size" not in s.model_dump()
     assert RunSpec.model_validate(s.model_dump()) == s
-    # the spec of protocol 6 (issue 37's restarted lineages) without these fields; at their byte defaults they add nothing
-    assert s.spec_hash() == "67a6cba00723d3e1"
+    # the spec of protocol 7 (issue 39's paused peers and ledger) without these fields; at their byte defaults they add nothing
+    assert s.spec_hash() == "02819e1debc0f795"
 
 
 def test_vocabulary_rules(assets):

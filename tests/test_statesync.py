@@ -25,7 +25,7 @@ def d(label: str) -> str:
 
 def record(peer: str, step: int, marks: list[tuple[int, str]], reachability: str = "public", restarted_below: int = 0):
     """A verified record entry as ``read_peer_entries`` returns it (owner key = the peer's name)."""
-    rec = SimpleNamespace(peer_id=peer, outer_step=step, reachability=reachability, restarted_below=restarted_below,
+    rec = SimpleNamespace(peer_id=peer, outer_step=step, reachability=reachability, restarted_below=restarted_below, paused=None,
                           theta_marks=[SimpleNamespace(step=s, digest=g) for s, g in marks])
     return SimpleNamespace(owner=f"key-{peer}", record=rec)
 
@@ -186,7 +186,7 @@ def _finisher(monkeypatch, reads: list[dict[str, str]], first_choice: list[str])
         view = seen[-1]
         marks = {p: v if isinstance(v, tuple) else (10, v) for p, v in view.items()}
         return [SimpleNamespace(owner=f"key-{p}", record=SimpleNamespace(
-            peer_id=p, outer_step=step, updated=1.0, reachability="public", restarted_below=0,
+            peer_id=p, outer_step=step, updated=1.0, reachability="public", restarted_below=0, paused=None,
             theta_marks=[SimpleNamespace(step=step, digest=g)])) for p, (step, g) in marks.items()]
 
     monkeypatch.setattr(statesync_mod, "read_peer_entries", lambda dht, run_id, organiser=None: entries())
