@@ -23,7 +23,7 @@ Every ``--fault`` adds one fault (any number; none: an honest node); the other a
   claim-ahead      this peer claims an outer step 1000 ahead of its own everywhere others read it (round
                    metadata, state donation, its signed record and donor priority), with its real
                    θ_global: a forged "newest state" that would make the others download its model
-  boast            this peer's signed record claims 10x its tokens (plus 10^6) and 20 verified rounds more than it
+  boast            this peer's signed record claims 10x its tokens (plus 10^6; in verified rounds too) and 20 verified rounds more than it
                    had (its rounds and their weights stay honest): the ledger must show it self-reported
   drop-part        as a reducer, this peer refuses every other member's part (a hostile leader or
                    reducer that drops honest members' contributions)
@@ -202,6 +202,7 @@ class BoastingNode(Node):
     def _record_snapshot(self):
         record = super()._record_snapshot()
         return {**record, "tokens_total": 10 * record["tokens_total"] + BOAST_TOKENS,
+                "verified_tokens": 10 * record["verified_tokens"] + BOAST_TOKENS,
                 "verified_rounds": record["verified_rounds"] + BOAST_ROUNDS}
 
 

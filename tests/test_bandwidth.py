@@ -13,8 +13,8 @@ import pytest
 
 from diloco_swarm.averaging.bandwidth import (
     MAX_CAP_MBPS, MIN_CAP_MBPS, TIMEOUT_MARGIN, UNCAPPED_MBPS, WIRE_OVERHEAD, RateLimit, advertised_mbps,
-    bytes_per_second, group_timeout, longest_timeout, stated_mbps, stream_share)
-from diloco_swarm.averaging.state_sharing import MIN_STATE_RATE_BPS
+    bytes_per_second, group_timeout, longest_timeout, pace, part_timeouts, stated_mbps, stream_share)
+from diloco_swarm.averaging.state_sharing import transfer_timeout
 
 
 def _send(limit: RateLimit, sizes: list[int]) -> float:
@@ -66,8 +66,8 @@ def test_a_group_waits_for_its_slowest_member():
     round_bytes = 10_000_000  # a 10M-parameter model's int8 Δ
     # no cap in the group: --allreduce-timeout
     assert group_timeout(60.0, round_bytes, [None, UNCAPPED_MBPS, UNCAPPED_MBPS]) == 60.0
-    # a member capped at 4 Mbit/s: 10 MB take 20 s at its cap, times the margin
-    assert group_timeout(60.0, round_bytes, [UNCAPPED_MBPS, 4.0]) == pytest.approx(TIMEOUT_MARGIN * 20.0)
+    # a member capped at 4 Mbit/s: 10 MB take 20 s at its cap (and the link's headers), times the margin
+    assert group_timeout(60.0, round_bytes, [UNCAPPED_MBPS, 4.0]) == pytest.approx(TIMEOUT_MARGIN * 20.0 * WIRE_OVERHEAD)
     # --allreduce-timeout stays the floor
     assert group_timeout(600.0, round_bytes, [4.0]) == 600.0
 
@@ -77,12 +77,43 @@ def test_an_advertised_bandwidth_cannot_stretch_a_group_beyond_the_longest_wait(
     round_bytes = 10_000_000
     timeout = group_timeout(60.0, round_bytes, [UNCAPPED_MBPS, hostile])
     assert 60.0 <= timeout <= longest_timeout(60.0, round_bytes)
-    assert longest_timeout(60.0, round_bytes) == pytest.approx(TIMEOUT_MARGIN * round_bytes / bytes_per_second(MIN_CAP_MBPS))
+    assert longest_timeout(60.0, round_bytes) == pytest.approx(
+        TIMEOUT_MARGIN * round_bytes * WIRE_OVERHEAD / bytes_per_second(MIN_CAP_MBPS))
 
 
-def test_a_donor_at_the_lowest_cap_serves_within_a_joiners_bound():
-    # the joiner's bound on a download (state_sharing.transfer_timeout) assumes a donor at least this fast
-    assert MIN_STATE_RATE_BPS == bytes_per_second(MIN_CAP_MBPS)
+def test_a_donor_at_the_lowest_cap_serves_within_a_joiners_bound_while_its_rounds_take_half_its_cap():
+    state_bytes, chunk = 1_200_000_000, 2**20  # llama-150m's θ_global and outer momentum in fp32
+    donor = RateLimit(MIN_CAP_MBPS)
+    started = time.monotonic()
+    for _ in range(state_bytes // chunk):  # (booked, not slept: the pacing's arithmetic)
+        donor.reserve(chunk)  # a chunk of the state
+        done = donor.reserve(chunk)  # as many bytes of the donor's own rounds in between
+    bound = transfer_timeout(10.0, state_bytes)
+    assert done - started <= bound, f"a 2 Mbit/s donor needs {done - started:.0f}s for 1.2 GB, beyond the joiner's {bound:.0f}s"
+
+
+def test_two_caps_on_one_message_pace_it_at_the_slower_one():
+    upload, towards = RateLimit(8.0), RateLimit(8.0)
+
+    async def main() -> float:
+        started = time.monotonic()
+        for _ in range(10):
+            await pace(50_000, upload, towards)
+        return time.monotonic() - started
+
+    elapsed = asyncio.run(main())
+    one_cap = 10 * 50_000 * WIRE_OVERHEAD / bytes_per_second(8.0)  # 0.54 s
+    assert 0.98 * one_cap <= elapsed < 1.5 * one_cap, f"{elapsed:.2f}s at two 8 Mbit/s caps (one cap: {one_cap:.2f}s)"
+
+
+def test_the_waits_between_parts_grow_with_the_slowest_cap_and_the_group():
+    part = 2**19  # hivemind's part_size_bytes: a part's bytes on the wire
+    assert part_timeouts(10.0, 20.0, part, 3, [UNCAPPED_MBPS] * 3) == (10.0, 20.0)
+    # 8 members, one capped at 2 Mbit/s: its upload is shared by 7 streams, each part 2.3 s at the cap
+    sender, reducer = part_timeouts(10.0, 20.0, part, 8, [UNCAPPED_MBPS, MIN_CAP_MBPS])
+    per_stream_part = 7 * part * WIRE_OVERHEAD / bytes_per_second(MIN_CAP_MBPS)
+    assert sender == pytest.approx(TIMEOUT_MARGIN * per_stream_part) and sender > per_stream_part
+    assert reducer == 2 * sender
 
 
 @pytest.mark.parametrize("value, stated", [(8, 8.0), (8.5, 8.5), (0.001, MIN_CAP_MBPS), (1e30, MAX_CAP_MBPS),

@@ -352,7 +352,7 @@ def test_the_export_has_a_model_card_with_the_loss_curve_and_the_contributors(tm
     assert [t for t in table if t.split("|")[1].strip() in ("0", "2", "3", "4")] == [
         "| 0 | 5.5000 |", "| 2 | 3.2500 |", "| 4 | 2.5000 |"]
     by_name = {t.split("|")[1].strip(): t for t in table}
-    assert "first-hand" in by_name["alice"] and "first-hand" in by_name["bob"]
+    assert "this peer" in by_name["alice"] and "first-hand: 4 verified rounds with this peer" in by_name["bob"]
     boasts = [t for t in table if boaster in t]
     assert len(boasts) == 1 and "self-reported" in boasts[0] and "eve \\| &lt;b&gt;" in boasts[0]
     assert len(re.findall(r"(?<!\\)\|", boasts[0])) == 8  # the name's "|" is escaped: still 7 cells

@@ -18,7 +18,7 @@ def record(peer_id: str, name: str = "", tokens: int = 0, rounds: int = 0, with_
     base = dict(peer_id=peer_id, name=name, version="0.1.0", device="cpu", precision="fp32", reachability="public",
                 outer_step=rounds, tokens_per_s=1.0, loss=2.0, eval_loss=None, tokens_total=tokens, bytes_sent=1,
                 bytes_received=1, last_round_group_size=3, last_round_s=0.5, last_round_ok=True, failed_rounds=0,
-                goodput=0.5, uptime_s=60.0, updated=1.0, verified_rounds=rounds,
+                goodput=0.5, uptime_s=60.0, updated=1.0, verified_rounds=rounds, verified_tokens=tokens,
                 rounds_with=[{"peer_id": p, "rounds": r, "tokens": t} for p, r, t in with_])
     base.update(over)
     return PeerRecord.parse_obj(base).dict()
@@ -49,7 +49,8 @@ def test_claims_beyond_the_witnesses_are_self_reported_and_lag_is_forgiven():
     records["QmB"] = record("QmB", "b", tokens=5000, rounds=5 + LAG_ROUNDS + 20, with_=[("QmA", 5, 500), ("QmC", 5, 500)])
     rows = {r["name"]: r for r in leaderboard(records, first_hand={"QmA"})}
     assert not rows["c"]["self_reported"] and rows["c"]["confirmed_rounds"] == 5
-    assert rows["b"]["self_reported"] and "5000 tokens" in rows["b"]["why"] and "27 verified rounds" in rows["b"]["why"]
+    assert rows["b"]["self_reported"] and "5000 tokens in verified rounds" in rows["b"]["why"]
+    assert "27 verified rounds" in rows["b"]["why"]
     assert rows["b"]["confirmed_tokens"] == 600 and rows["b"]["confirmed_rounds"] == 6  # c's record: the largest
     assert rows["b"]["share"] == pytest.approx(5000 / 6100)  # claimed tokens: the boast shows in `share`
     assert rows["b"]["confirmed_share"] == pytest.approx(600 / 1600)  # ... not in the confirmed share (a: 500, c: 500)
@@ -57,6 +58,20 @@ def test_claims_beyond_the_witnesses_are_self_reported_and_lag_is_forgiven():
     # the tokens alone (rounds honest) are flagged too: more than LAG_ROUNDS rounds' worth beyond the confirmed 600
     records["QmB"] = record("QmB", "b", tokens=600 + (LAG_ROUNDS + 1) * 100, rounds=5, with_=[("QmA", 5, 500)])
     assert {r["name"]: r for r in leaderboard(records)}["b"]["self_reported"]
+    # ... but not tokens nobody could see: a night of solo rounds while the others were paused
+    records["QmB"] = record("QmB", "b", tokens=50_000, rounds=5, verified_tokens=500, with_=[("QmA", 5, 500)])
+    b = {r["name"]: r for r in leaderboard(records)}["b"]
+    assert not b["self_reported"] and b["tokens"] == 50_000 and b["verified_tokens"] == 500
+
+
+def test_a_record_is_one_witness_however_often_it_lists_a_peer():
+    honest = three_honest()
+    entries = [{"peer_id": "QmX", "rounds": 9, "tokens": 900}] * 2
+    with pytest.raises(ValueError, match="lists a partner twice"):
+        PeerRecord.parse_obj({**honest["QmA"], "rounds_with": entries})
+    forged = {**honest["QmA"], "rounds_with": entries * 16}  # (a row from a reader that skipped the schema)
+    assert witnessed([forged])["QmX"] == (9, 900, 1)
+    assert normalize_snapshot({"peer_id": "QmA", "rounds_with": {"QmX": (9, 900)}})["rounds_with"] == entries[:1]
 
 
 def test_a_peer_nobody_saw_is_self_reported_and_vouching_for_oneself_counts_for_nothing():
@@ -153,3 +168,23 @@ def test_the_dhts_schema_validator_refuses_a_record_with_too_many_partners():
     assert accepted(good)
     assert not accepted({**good, "rounds_with": good["rounds_with"] + [{"peer_id": "QmMore", "rounds": 1, "tokens": 1}]})
     assert not accepted({**good, "verified_rounds": 3.0})  # a conversion: strict types only
+
+
+def test_the_held_out_curve_is_kept_for_the_model_card_without_a_metrics_file():
+    from diloco_swarm.node.model_card import merged_curve
+    from diloco_swarm.node.stats import MAX_EVAL_POINTS
+
+    stats = NodeStats()
+    for step in range(3 * MAX_EVAL_POINTS):
+        stats.note_eval(step, 10.0 - step / 1000)
+    stats.note_eval(7, float("nan"))  # (not a measurement: left out of the curve)
+    curve = stats.eval_curve
+    assert len(curve) <= MAX_EVAL_POINTS and curve[0] == [0, 10.0] and curve[-1][0] == 3 * MAX_EVAL_POINTS - 1
+    assert [p[0] for p in curve] == sorted({p[0] for p in curve})
+    restored = NodeStats()
+    restored.load_eval_curve(curve)
+    assert restored.eval_curve == curve
+    restored.load_eval_curve([[1, "x"]])
+    assert restored.eval_curve == []
+    # the metrics file's values win where both have a step; the checkpoint fills the rest
+    assert merged_curve([[0, 5.0], [2, 4.0]], [(2, 3.5), (4, 3.0)]) == [(0, 5.0), (2, 3.5), (4, 3.0)]

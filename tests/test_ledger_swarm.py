@@ -118,6 +118,6 @@ def test_the_leaderboard_matches_the_metrics_and_names_a_boaster(tmp_path):
     card = ModelCard.load(tmp_path / "export" / "README.md")
     assert card.data.to_dict()["diloco_swarm"]["run_id"] == "ledger"
     rows = {line.split("|")[1].strip(): line for line in card.text.splitlines() if line.startswith("| ")}
-    assert "first-hand" in rows["ana"] and "first-hand" in rows["ben"], card.text
+    assert "this peer" in rows["ana"] and "first-hand" in rows["ben"], card.text
     assert "self-reported" in rows["hal"], card.text
     assert "| outer step | held-out loss |" in card.text

@@ -155,6 +155,10 @@ def test_pause_says_whether_a_node_runs_and_records_the_pause_either_way(tmp_pat
 
     state = tmp_path / "state"
     state.mkdir()
+    out = run("pause", "--state-dir", str(state), cwd=tmp_path)  # not a node's state dir (a typo's folder): nothing written
+    assert "is not a node's state dir (it holds no identity.key)" in error_line(out.stderr, out.returncode, out.stdout)
+    assert list(state.iterdir()) == []
+    (state / "identity.key").write_bytes(b"a node's key")  # (a node's first start writes it)
     out = run("pause", "--state-dir", str(state), cwd=tmp_path)  # no node: said, exit 1, recorded for the next join
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert "no node is running on" in out.stderr and "the next `diloco-node join" in out.stderr and "starts paused" in out.stderr
@@ -214,3 +218,29 @@ def test_a_round_reads_the_training_peers_and_a_planned_member_turned_paused_has
     handoff = SimpleNamespace(delta=[], standing=4, inner_s=1.0, tokens=1, carried=None)
     outcome = r._average(handoff, control=None)
     assert outcome.alone and outcome.result.reason == "no other peer online", outcome.result
+
+
+def test_a_paused_peers_step_does_not_hold_back_where_the_swarm_stands():
+    """--active-hours overnight: P paused at step 50, A trained on to 100, R resumes at 50. P's record says
+    where P stopped, not where the swarm is: R must see step 100 as supported and catch up to it."""
+    from diloco_swarm.node.canonical import gather_evidence
+
+    def entry(peer, step, paused=None):
+        record = SimpleNamespace(peer_id=peer, outer_step=step, restarted_below=0, reachability="public",
+                                 paused=paused, theta_marks=[])
+        return SimpleNamespace(owner=f"key-{peer}", record=record)
+
+    paused_too = gather_evidence([entry("A", 100), entry("P", 50, paused="active_hours")], me="R", my_step=50)
+    assert paused_too.supported_step == 100 and paused_too.supported_raw_step == 100
+    both_training = gather_evidence([entry("A", 100), entry("P", 50)], me="R", my_step=50)
+    assert both_training.supported_step == 50  # one record alone never makes a step canonical (its quorum)
+
+
+def test_time_paused_on_purpose_never_counts_against_goodput_even_while_the_pause_goes_on():
+    stats = NodeStats()
+    stats.started = time.monotonic() - 100.0
+    stats.inner_s = 50.0
+    stats.paused_since = time.monotonic() - 50.0  # paused for the last 50 s, still paused
+    assert stats.goodput() == pytest.approx(1.0, abs=0.01)
+    stats.paused_s, stats.paused_since = 50.0, None  # resumed at this moment
+    assert stats.goodput() == pytest.approx(1.0, abs=0.01)

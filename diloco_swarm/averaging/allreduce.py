@@ -46,7 +46,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
-from diloco_swarm.averaging.bandwidth import RateLimit, stream_share
+from diloco_swarm.averaging.bandwidth import RateLimit, pace, stream_share
 from diloco_swarm.averaging.reducer import RobustPartReducer
 from diloco_swarm.averaging.sparse import SparseInt8Codec
 
@@ -331,13 +331,12 @@ class ConsensusAllReduceRunner(AllReduceRunner):
             self._reducer_calls.pop(peer_id, None)
 
     async def rpc_aggregate_part(self, stream, context) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """hivemind's, with the averages we send back paced to the sender's stated download cap where they
-        leave: hivemind holds a non-reducing member's averages until it has sent all its parts, then
-        sends them at once."""
-        towards = self._towards.get(context.remote_id)
+        """hivemind's, with the averages we send back paced to our upload cap and to the sender's stated
+        download cap where they leave: hivemind holds a non-reducing member's averages until it has sent
+        all its parts, then sends them at once."""
+        towards = self._towards.get(context.remote_id) or RateLimit(None)
         async for message in super().rpc_aggregate_part(stream, context):
-            if towards is not None:
-                await towards.take(_part_bytes(message))
+            await pace(_part_bytes(message), self._upload, towards)
             yield message
 
     async def _handle_missing_senders(self) -> None:
@@ -370,8 +369,7 @@ class ConsensusAllReduceRunner(AllReduceRunner):
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         towards = self._towards[self.ordered_peer_ids[peer_index]]
         async for message in super()._generate_input_for_peer(peer_index):
-            await self._upload.take(_part_bytes(message))
-            await towards.take(_part_bytes(message))
+            await pace(_part_bytes(message), self._upload, towards)
             self.stats.bytes_sent += len(message.tensor_part.buffer)
             yield message
 
@@ -440,8 +438,7 @@ class ConsensusAllReduceRunner(AllReduceRunner):
                     self.stats.rejected_senders.setdefault(sender_id.to_base58(), "banned (too slow)")
                     break
                 serialized = await self._encoded_average(part_index - 1, averaged_part)
-                await self._upload.take(len(serialized.buffer))
-                self.stats.bytes_sent += len(serialized.buffer)
+                self.stats.bytes_sent += len(serialized.buffer)  # (paced where it leaves: rpc_aggregate_part)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         except Exception as e:  # a malformed part (CodecError) ends this sender's stream
             self.stats.rejected_senders[sender_id.to_base58()] = f"sent a malformed part ({e})"[:200]

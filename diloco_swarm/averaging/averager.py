@@ -41,7 +41,8 @@ from hivemind.utils import get_dht_time, get_logger
 
 from diloco_swarm.averaging.admission import Admission
 from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner, RoundStats
-from diloco_swarm.averaging.bandwidth import RECEIVE_CAP_KEY, RateLimit, advertised_mbps, group_timeout, longest_timeout
+from diloco_swarm.averaging.bandwidth import (RECEIVE_CAP_KEY, RateLimit, advertised_mbps, group_timeout, longest_timeout,
+                                               part_timeouts)
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
 from diloco_swarm.averaging.sparse import SPARSE_MODES, SparseInt8Codec
 from diloco_swarm.averaging.conduct import PeerConduct
@@ -278,10 +279,9 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
             raise AllreduceException(f"the group may not advance: {problem}")  # hivemind retries within the window
         self._remember_group(group_info)  # its θ-mixing all-reduce may follow
         try:
-            bandwidths, receive_caps = self._gathered_caps(group_info)
-            gathered = await asyncio.wait_for(
-                super()._aggregate_with_group(group_info, min_vector_size, receive_caps=receive_caps, **kwargs),
-                self._group_timeout([*bandwidths, *receive_caps]))
+            kwargs, timeout = self._sized_to_caps(group_info, kwargs)
+            gathered = await asyncio.wait_for(super()._aggregate_with_group(group_info, min_vector_size, **kwargs),
+                                              timeout)
             step = self._step_in_flight
             if step is not None and step.cancelled():
                 # the node left this round while its group formed or ran (a stop; or a give-up that met the
@@ -300,10 +300,17 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
             self._conduct.judge(stats)
         return {"gathered": gathered, "stats": dataclasses.asdict(stats), "avoided": self._conduct.shunned_peers()}
 
-    def _group_timeout(self, bandwidths) -> float:
-        """Seconds this group's all-reduce may take, by its members' advertised ``bandwidths`` (Mbit/s,
-        untrusted): ``bandwidth.group_timeout``, within :attr:`allreduce_ceiling_s`."""
-        return min(group_timeout(self._configured_allreduce_s, self._round_bytes, bandwidths), self._allreduce_timeout_s)
+    def _sized_to_caps(self, group_info, kwargs: dict) -> tuple[dict, float]:
+        """A group's all-reduce sized to its members' caps (averaging/bandwidth.py): ``kwargs`` for the runner
+        with the download caps they stated (``receive_caps``) and hivemind's waits between parts grown to the
+        slowest cap (``part_timeouts``), and the seconds the whole all-reduce may take (``group_timeout``,
+        within :attr:`allreduce_ceiling_s`)."""
+        bandwidths, receive_caps = self._gathered_caps(group_info)
+        stated = [*bandwidths, *receive_caps]  # a member that advertises more than it receives is held to the less
+        sender_s, reducer_s = part_timeouts(kwargs["sender_timeout"], kwargs["reducer_timeout"],
+                                            kwargs["part_size_bytes"], len(group_info.peer_ids), stated)
+        timeout = min(group_timeout(self._configured_allreduce_s, self._round_bytes, stated), self._allreduce_timeout_s)
+        return {**kwargs, "receive_caps": receive_caps, "sender_timeout": sender_s, "reducer_timeout": reducer_s}, timeout
 
     def _gathered_caps(self, group_info) -> tuple[list, list]:
         """(the bandwidths the members advertised in matchmaking, the download caps they stated:

@@ -67,18 +67,30 @@ class RateLimit:
         self._rate = None if mbps is None else bytes_per_second(mbps) / WIRE_OVERHEAD  # of payload
         self._paid_until = 0.0  # monotonic time at which the bytes taken so far have gone out at the rate
 
-    async def take(self, n_bytes: int) -> None:
-        if self._rate is None or n_bytes <= 0:
-            return
+    def reserve(self, n_bytes: int) -> float:
+        """Book ``n_bytes`` at the rate: the ``time.monotonic()`` at which they may go (now, without a limit)."""
         now = time.monotonic()
+        if self._rate is None or n_bytes <= 0:
+            return now
         self._paid_until = max(self._paid_until, now) + n_bytes / self._rate
-        await asyncio.sleep(self._paid_until - now)
+        return self._paid_until
+
+    async def take(self, n_bytes: int) -> None:
+        await pace(n_bytes, self)
 
     async def paced(self, messages: AsyncIterator[T], size) -> AsyncIterator[T]:
         """``messages``, each one let through once its ``size(message)`` bytes fit the rate."""
         async for message in messages:
             await self.take(size(message))
             yield message
+
+
+async def pace(n_bytes: int, *limits: RateLimit) -> None:
+    """Wait until ``n_bytes`` fit every one of ``limits`` (booked on each at once: a message under two caps
+    goes at the slower one's pace, not at the sum of both waits)."""
+    wait = max((limit.reserve(n_bytes) for limit in limits), default=0.0) - time.monotonic()
+    if wait > 0:
+        await asyncio.sleep(wait)
 
 
 RECEIVE_CAP_KEY = "receive_mbps"  # our gathered metadata: the download cap members pace their sends to us by
@@ -108,12 +120,32 @@ def advertised_mbps(max_upload_mbps: Optional[float], max_download_mbps: Optiona
     return min(caps) if caps else UNCAPPED_MBPS
 
 
+def slowest_mbps(bandwidths: Iterable[Any]) -> float:
+    """The smallest of the bandwidths a group's members stated (Mbit/s, untrusted: :func:`stated_mbps`); none
+    stated counts as :data:`UNCAPPED_MBPS`."""
+    return min((b for b in map(stated_mbps, bandwidths) if b is not None), default=UNCAPPED_MBPS)
+
+
 def group_timeout(configured_s: float, round_bytes: int, bandwidths: Iterable[Any]) -> float:
     """Seconds a group's all-reduce may take: ``configured_s`` (``--allreduce-timeout``), or longer when the
-    slowest of the bandwidths its members stated (Mbit/s, untrusted: :func:`stated_mbps`; none stated
-    counts as :data:`UNCAPPED_MBPS`) needs :data:`TIMEOUT_MARGIN` × ``round_bytes`` (one Δ on the wire) longer."""
-    slowest = min((b for b in map(stated_mbps, bandwidths) if b is not None), default=UNCAPPED_MBPS)
-    return max(float(configured_s), TIMEOUT_MARGIN * round_bytes / bytes_per_second(slowest))
+    :func:`slowest_mbps` of ``bandwidths`` needs :data:`TIMEOUT_MARGIN` × ``round_bytes`` (one Δ on the wire)
+    longer."""
+    return max(float(configured_s),
+               TIMEOUT_MARGIN * round_bytes * WIRE_OVERHEAD / bytes_per_second(slowest_mbps(bandwidths)))
+
+
+def part_timeouts(sender_s: float, reducer_s: float, part_bytes: int, group_size: int,
+                  bandwidths: Iterable[Any]) -> tuple[float, float]:
+    """hivemind's waits between two parts of one stream (a sender's, a reducer's: ``sender_s`` and
+    ``reducer_s``, from ``--allreduce-timeout``'s sibling ``next_chunk_timeout``), grown to the group's
+    :func:`slowest_mbps`: a capped member's upload is shared by its streams to the (``group_size`` − 1)
+    others, and a capped receiver's cap by theirs to it, so one stream moves a part of ``part_bytes`` (on
+    the wire, at most hivemind's ``part_size_bytes``) in (``group_size`` − 1) parts' time; times
+    :data:`TIMEOUT_MARGIN`. The reducer's stays twice the sender's, as hivemind requires it longer."""
+    gap = (TIMEOUT_MARGIN * max(1, group_size - 1) * part_bytes * WIRE_OVERHEAD
+           / bytes_per_second(slowest_mbps(bandwidths)))
+    sender = max(float(sender_s), gap)
+    return sender, max(float(reducer_s), 2 * sender)
 
 
 def longest_timeout(configured_s: float, round_bytes: int) -> float:

@@ -69,9 +69,8 @@ class ThetaMixing:
                 raise RuntimeError("the round is no longer among our recent ones")
             mix_id = mixing_group_id(group_info.group_id)
             bandwidths, mode_ids, _ = zip(*map(self.serializer.loads, group_info.gathered))
-            receive_caps = self._gathered_caps(group_info)[1]
             download = [b if AveragingMode(m) != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, mode_ids)]
-            kwargs = dict(self.allreduce_kwargs)
+            kwargs, timeout = self._sized_to_caps(group_info, dict(self.allreduce_kwargs))
             min_vector_size = kwargs.pop("min_vector_size")
             if isinstance(kwargs.get("compression"), SparseInt8Codec):  # θ-mixing stays dense int8 in a sparse run:
                 kwargs["compression"] = Int8BlockwiseCodec()  # θ differences are not pseudo-gradients (issue 38)
@@ -82,8 +81,7 @@ class ThetaMixing:
             try:
                 await asyncio.wait_for(self._run_consensus(
                     MixingAllReduceRunner, tensors, group_info, mix_id, stats, planned_weights=planned_weights,
-                    peer_fractions=fractions, weight=float(weight), receive_caps=receive_caps, **kwargs),
-                    timeout=self._group_timeout([*bandwidths, *receive_caps]))
+                    peer_fractions=fractions, weight=float(weight), **kwargs), timeout=timeout)
             finally:
                 self._running_groups.pop(mix_id, None)
                 self._conduct.judge(stats)

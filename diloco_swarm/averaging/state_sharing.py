@@ -26,7 +26,7 @@ from hivemind.utils import MPFuture, get_dht_time, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
-from diloco_swarm.averaging.bandwidth import MIN_CAP_MBPS, RateLimit, bytes_per_second
+from diloco_swarm.averaging.bandwidth import MIN_CAP_MBPS, WIRE_OVERHEAD, RateLimit, bytes_per_second
 from diloco_swarm.averaging.donation import Donations, StateSeal
 from diloco_swarm.averaging.results import short_reason
 from diloco_swarm.dht.calls import ChildGone, ChildUnavailable, bounded, dht_get
@@ -36,10 +36,10 @@ logger = get_logger(__name__)
 
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor], StateSeal]]
 
-# a state download may last as long as its largest payload takes at the lowest upload cap a donor may set
-# (2 Mbit/s, a home uplink's; a stalled donor is cut by the per-chunk timeout): a fixed bound refused every
-# download over a few hundred MB
-MIN_STATE_RATE_BPS = bytes_per_second(MIN_CAP_MBPS)
+# a state download may last as long as its largest payload takes at half the payload rate of the lowest
+# upload cap a donor may set (2 Mbit/s, a home uplink's, shared with the donor's own rounds; a stalled donor
+# is cut by the per-chunk timeout): a fixed bound refused every download over a few hundred MB
+MIN_STATE_RATE_BPS = bytes_per_second(MIN_CAP_MBPS) / WIRE_OVERHEAD / 2
 
 
 def state_donors(dht, prefix: str) -> dict[str, float]:

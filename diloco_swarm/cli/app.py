@@ -388,7 +388,7 @@ def demo(
 def export(
     state_dir: Annotated[Path, typer.Option(help="State dir of a node that trained (holds checkpoint.pt).")] = Path("diloco-state"),
     out: Annotated[Path, typer.Option(help="New folder to write the Hugging Face model into (must not exist, or be empty).")] = Path("diloco-export"),
-    metrics_file: Annotated[Optional[Path], typer.Option(help="The node's --metrics-file, for the model card's held-out loss curve (default: STATE_DIR/metrics.jsonl, when it exists).")] = None,
+    metrics_file: Annotated[Optional[Path], typer.Option(help="The node's --metrics-file: every held-out loss it measured, for the model card's curve (default: STATE_DIR/metrics.jsonl, when it exists; the checkpoint keeps the curve too).")] = None,
 ) -> None:
     """Write θ_global of a node's checkpoint as a Hugging Face model folder (config.json, model.safetensors,
     and the run's tokenizer files; a byte-level run has none: token id = byte value) that

@@ -29,6 +29,11 @@ def _node_running(state_dir: Path, command: str) -> bool:
         raise fail(f"--state-dir {state_dir}: no such directory; give the state dir of the node to {command} "
                    f"(its `diloco-node join --state-dir`)")
     from diloco_swarm.dht.swarm import StateDirBusy, StateDirLock, SwarmError  # lazy: hivemind
+    from diloco_swarm.node.config import IDENTITY_FILE
+
+    if not (state_dir / IDENTITY_FILE).is_file():  # a typo's folder, or ~: write nothing there
+        raise fail(f"--state-dir {state_dir} is not a node's state dir (it holds no {IDENTITY_FILE}); give the state "
+                   f"dir of the node to {command} (its `diloco-node join --state-dir`)")
 
     try:
         StateDirLock(state_dir).release()  # (taken for a moment: only a running node would refuse it)

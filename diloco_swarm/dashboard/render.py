@@ -375,7 +375,7 @@ def render_peer_page(doc: dict[str, Any] | None, *, peer_id: str, run_id: str, v
         return (_head(f"unknown peer · {run}") + f'<header><h1>diloco-swarm</h1><span class="run">{run}</span></header>'
                 f'<main><p class="warning">No record of peer <code>{text(peer_id, 128)}</code> in this run '
                 f"(it never joined, or left more than a while ago).</p><p>{back}</p></main></body></html>")
-    r, e = doc["peer"], doc["ledger"]
+    r, e = doc["peer"], doc["ledger"] or {}
     name = text(r.get("name"), 64) or text(short_id(r.get("peer_id")))
     now = doc.get("generated", time.time())
     hist = doc.get("history") or {}
@@ -386,7 +386,8 @@ def render_peer_page(doc: dict[str, Any] | None, *, peer_id: str, run_id: str, v
         ("State", f'<span class="badge {text(r.get("state"))}">{text(r.get("state"))}</span>'),
         ("Outer step", text(r.get("outer_step"))),
         ("Loss", f'{fmt_float(r.get("loss"))} <span class="dim">{fmt_held_out(r.get("eval_loss"), r.get("eval_outer_step"))}</span>'),
-        ("Tokens", f'{fmt_si(e.get("tokens"))} <span class="dim">({fmt_si(e.get("confirmed_tokens"))} confirmed)</span>'),
+        ("Tokens", f'{fmt_si(e.get("tokens"))} <span class="dim">({fmt_si(e.get("verified_tokens"))} in verified rounds, '
+                   f'{fmt_si(e.get("confirmed_tokens"))} confirmed)</span>'),
         ("Share of the run's tokens", "–" if e.get("share") is None else f'{100 * e["share"]:.1f}%'),
         ("Verified rounds", f'{int(e.get("verified_rounds") or 0)} <span class="dim">'
                             f'({int(e.get("confirmed_rounds") or 0)} confirmed)</span> {_ledger_note(e)}'),

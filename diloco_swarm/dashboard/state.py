@@ -227,7 +227,7 @@ class SwarmState:
             for m in r.get("theta_marks") or ():
                 held.setdefault((m["step"], m["digest"]), []).append(r["peer_id"])
         marks = [{**m, "held_by": held.get((m["step"], m["digest"]), [])} for m in row.get("theta_marks") or ()]
-        ledger = next(e for e in leaderboard(rows) if e["peer_id"] == peer_id)
+        ledger = next((e for e in leaderboard(rows) if e["peer_id"] == peer_id), None)  # (None: beyond its rows)
         return {"schema": API_SCHEMA, "run_id": self.run_id, "generated": round(now, 3), "peer": row,
                 "ledger": ledger, "witnessed_by": sorted(witnesses, key=lambda w: -w["rounds"]),
                 "rounds_with": row.get("rounds_with") or [], "theta_marks": marks, "history": history,

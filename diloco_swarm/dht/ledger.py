@@ -62,11 +62,12 @@ def witnessed(records: Iterable[Mapping[str, Any]]) -> dict[str, tuple[int, int,
     it. A record's entry for itself is ignored."""
     out: dict[str, tuple[int, int, int]] = {}
     for record in records:
-        me = record.get("peer_id")
+        me, seen = record.get("peer_id"), set()
         for entry in record.get("rounds_with") or ():
             peer = entry.get("peer_id")
-            if not isinstance(peer, str) or peer == me:
+            if not isinstance(peer, str) or peer == me or peer in seen:  # (a record is one witness of a peer)
                 continue
+            seen.add(peer)
             rounds, tokens, n = out.get(peer, (0, 0, 0))
             out[peer] = (max(rounds, _count(entry.get("rounds"))), max(tokens, _count(entry.get("tokens"))), n + 1)
     return out
@@ -80,31 +81,34 @@ def leaderboard(records: Mapping[str, Any] | Iterable[Any], *, first_hand: Itera
         most recently updated counts: :func:`latest_by_peer`). At most :data:`MAX_ROWS` are read.
     :param first_hand: peer ids whose rounds the reader counted itself (a node: the peers it averaged
         with, and itself): their rows say ``first_hand``.
-    :returns: one dict per peer: ``name`` (display name), ``peer_id``, ``tokens`` (claimed),
-        ``confirmed_tokens``, ``share`` and ``confirmed_share`` (of the run's claimed / confirmed tokens,
-        0..1; None while the run has none), ``verified_rounds`` (claimed), ``confirmed_rounds``,
-        ``witnesses`` (records that list it), ``uptime_s``, ``first_hand``, ``self_reported`` (its
-        claims run ahead of what others back by more than :data:`LAG_ROUNDS` rounds: rounds, or tokens
-        beyond its confirmed tokens plus ``LAG_ROUNDS`` rounds' worth of them; tokens of rounds nobody
-        else saw, a solo round's, are self-reported too) and ``why`` (what is not backed; "" if nothing).
+    :returns: one dict per peer: ``name`` (display name), ``peer_id``, ``tokens`` (all it trained: its own
+        word, solo rounds' included, which nobody else sees), ``verified_tokens`` (claimed: those in its
+        verified rounds), ``confirmed_tokens``, ``share`` and ``confirmed_share`` (of the run's claimed /
+        confirmed tokens, 0..1; None while the run has none), ``verified_rounds`` (claimed),
+        ``confirmed_rounds``, ``witnesses`` (records that list it), ``uptime_s``, ``first_hand``,
+        ``self_reported`` (its claims about its verified rounds run ahead of what others back by more
+        than :data:`LAG_ROUNDS` rounds: their count, or their tokens beyond its confirmed tokens plus
+        ``LAG_ROUNDS`` rounds' worth) and ``why`` (what is not backed; "" if nothing).
     """
     values = list(records.values()) if isinstance(records, Mapping) else list(records)
-    dicts = latest_by_peer(_fields(r) for r in values[:MAX_ROWS])
+    dicts = latest_by_peer(_fields(r) for r in values)[:MAX_ROWS]
     backed = witnessed(dicts)
     known = set(first_hand)
     rows = []
     for r in dicts:
         peer = str(r.get("peer_id") or "")
         claimed_rounds, tokens = _count(r.get("verified_rounds")), _count(r.get("tokens_total"))
+        claimed_tokens = _count(r.get("verified_tokens"))
         rounds, confirmed_tokens, witnesses = backed.get(peer, (0, 0, 0))
         per_round = confirmed_tokens / rounds if rounds else 0.0
         why = []
         if claimed_rounds > rounds + LAG_ROUNDS:
             why.append(f"claims {claimed_rounds} verified rounds, others' records back {rounds}")
-        if tokens > confirmed_tokens + LAG_ROUNDS * per_round:
-            why.append(f"claims {tokens} tokens, others' records back {confirmed_tokens}")
+        if claimed_tokens > confirmed_tokens + LAG_ROUNDS * per_round:
+            why.append(f"claims {claimed_tokens} tokens in verified rounds, others' records back {confirmed_tokens}")
         uptime = r.get("uptime_s")
-        rows.append({"name": display_name(r), "peer_id": peer, "tokens": tokens, "confirmed_tokens": min(tokens, confirmed_tokens),
+        rows.append({"name": display_name(r), "peer_id": peer, "tokens": tokens, "verified_tokens": claimed_tokens,
+                     "confirmed_tokens": min(max(tokens, claimed_tokens), confirmed_tokens),
                      "verified_rounds": claimed_rounds, "confirmed_rounds": min(claimed_rounds, rounds) if claimed_rounds else rounds,
                      "witnesses": witnesses, "uptime_s": float(uptime) if isinstance(uptime, (int, float)) else 0.0,
                      "first_hand": peer in known, "self_reported": bool(why), "why": "; ".join(why)})

@@ -181,6 +181,9 @@ class PeerRecord(pv1.BaseModel):
     # the contribution ledger (dht/ledger.py): this peer's verified rounds since it first joined the run
     # (its own word), and what it witnessed of its most recent partners (the evidence for theirs)
     verified_rounds: pv1.conint(strict=True, ge=0, le=MAX_COUNT) = 0
+    # the tokens behind its Δ in those verified rounds (its own weight in them; tokens_total also holds solo
+    # rounds' and unsent phases', which nobody else sees)
+    verified_tokens: pv1.conint(strict=True, ge=0, le=MAX_COUNT) = 0
     rounds_with: pv1.conlist(RoundsWith, max_items=MAX_PARTNERS) = []
     # why this peer trains no more for now (node/pause.py): its owner paused it, or it is outside its
     # --active-hours; None while it trains (and in older records). No round waits for a paused peer
@@ -188,6 +191,12 @@ class PeerRecord(pv1.BaseModel):
 
     class Config:
         extra = pv1.Extra.forbid
+
+    @pv1.validator("rounds_with")
+    def _one_entry_per_partner(cls, value):
+        if len({entry.peer_id for entry in value}) != len(value):
+            raise ValueError("rounds_with lists a partner twice")
+        return value
 
 
 class PeerRecordsSchema(pv1.BaseModel):
@@ -205,7 +214,7 @@ _STR_LIMITS = {"peer_id": MAX_PEER_ID, "name": MAX_NAME, "version": MAX_SHORT, "
 _INT_LIMITS = {"outer_step": MAX_COUNT, "restarted_below": MAX_COUNT, "tokens_total": MAX_COUNT,
                "bytes_sent": MAX_COUNT,
                "bytes_received": MAX_COUNT, "last_round_group_size": MAX_GROUP, "failed_rounds": MAX_COUNT,
-               "verified_rounds": MAX_COUNT}
+               "verified_rounds": MAX_COUNT, "verified_tokens": MAX_COUNT}
 _FLOAT_LIMITS = {"tokens_per_s": MAX_RATE, "last_round_s": MAX_SECONDS, "goodput": 1.0, "uptime_s": MAX_SECONDS,
                  "updated": MAX_TIME, "inner_step_s": MAX_SECONDS, "phase_eta": MAX_TIME}
 _OPTIONAL_FLOAT_LIMITS = {"loss": MAX_LOSS, "eval_loss": MAX_LOSS}
@@ -294,10 +303,10 @@ def rounds_with_of(raw: Any) -> list[dict[str, Any]]:
         triples = [(item.get("peer_id"), item.get("rounds"), item.get("tokens")) for item in raw if isinstance(item, dict)]
     else:
         return []
-    out = [{"peer_id": peer, "rounds": _int(rounds, MAX_COUNT), "tokens": _int(tokens, MAX_COUNT)}
+    out = {peer: {"peer_id": peer, "rounds": _int(rounds, MAX_COUNT), "tokens": _int(tokens, MAX_COUNT)}
            for peer, rounds, tokens in triples
-           if isinstance(peer, str) and len(peer) <= MAX_PEER_ID and _PEER_ID.match(peer)]
-    return out[-MAX_PARTNERS:]
+           if isinstance(peer, str) and len(peer) <= MAX_PEER_ID and _PEER_ID.match(peer)}  # a partner once: its last
+    return list(out.values())[-MAX_PARTNERS:]
 
 
 def _finite(value: Any) -> bool:

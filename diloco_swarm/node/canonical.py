@@ -89,8 +89,9 @@ def gather_evidence(entries, me: str, my_step: int = 0, my_marks=(), my_debt: in
         if record is None or record.peer_id == me:
             continue
         stands = standing(record.outer_step, record.restarted_below)
-        steps[entry.owner] = max(steps.get(entry.owner, 0), stands)
-        raw[entry.owner] = max(raw.get(entry.owner, 0), record.outer_step)
+        if getattr(record, "paused", None) is None:  # a paused peer's step says where it stopped, not the swarm
+            steps[entry.owner] = max(steps.get(entry.owner, 0), stands)
+            raw[entry.owner] = max(raw.get(entry.owner, 0), record.outer_step)
         if record.reachability == "client":
             evidence.clients.add(record.peer_id)
         evidence.holders_by_step.setdefault(stands, set()).add(record.peer_id)

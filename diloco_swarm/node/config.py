@@ -9,6 +9,8 @@ from diloco_swarm.invites import Invitation
 from diloco_swarm.node.pause import ActiveHours
 from diloco_swarm.spec import RunSpec
 
+IDENTITY_FILE = "identity.key"  # the node's libp2p key in its state dir (its peer id), written at its first start
+
 
 @dataclass
 class NodeConfig:

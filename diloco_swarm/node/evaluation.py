@@ -31,7 +31,6 @@ class Evaluation:
         t0 = time.monotonic()
         # θ_local may run ahead of θ_global (overlap): evaluate θ_global, through the model with θ_global's
         # tensors in place of its own (on the CPU no copy at all; on a GPU one, where the grads were)
-        self.stats.eval_loss = evaluate(with_parameters(self.model, theta), self.eval_set, self.device)
-        self.stats.eval_outer_step = outer_step
+        self.stats.note_eval(outer_step, evaluate(with_parameters(self.model, theta), self.eval_set, self.device))
         self._last_s = time.monotonic() - t0
         self.stats.eval_s += self._last_s

@@ -27,7 +27,7 @@ from diloco_swarm.models.gpt import build_model
 from diloco_swarm.models.registry import BYTE_PRESETS, LLAMA_PRESET_NAMES
 from diloco_swarm.node.assets import ASSETS_FILE, MODEL_DIR
 from diloco_swarm.node.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
-from diloco_swarm.node.model_card import CARD_NAME, loss_curve, model_card
+from diloco_swarm.node.model_card import CARD_NAME, loss_curve, merged_curve, model_card
 from diloco_swarm.spec import RunSpec
 
 # "lazy": transformers (~0.6 s) and its classes (AutoConfig ~0.3 s, GPT-2's ~1.2 s) load on first use:
@@ -142,6 +142,9 @@ def export_model(state_dir: Path, out: Path, metrics_file: Path | None = None) -
             written (the disk write failed; ``out`` is not created).
         CheckpointError: a corrupt checkpoint.
     """
+    if metrics_file is not None and not metrics_file.is_file():
+        raise ExportError(f"--metrics-file {metrics_file} does not exist; give the node's --metrics-file, or leave it "
+                          "out (the checkpoint keeps the held-out loss curve)")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is an existing file; choose a new folder (nothing was written)")
     if out.exists() and any(out.iterdir()):
@@ -169,7 +172,8 @@ def export_model(state_dir: Path, out: Path, metrics_file: Path | None = None) -
                 "tokenizer_files": tokenizer_files,
                 "note": "token id = byte value (UTF-8)" if spec.tokenizer == "byte" else None}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1))
-        curve = loss_curve(metrics_file or state_dir / METRICS_NAME, str(ckpt.get("peer_id") or "") or None)
+        curve = merged_curve(ckpt.get("eval_curve"),
+                             loss_curve(metrics_file or state_dir / METRICS_NAME, str(ckpt.get("peer_id") or "") or None))
         (tmp / CARD_NAME).write_text(model_card(spec, ckpt, info, curve), encoding="utf-8")
         _follow_umask(tmp)
         if out.exists():

@@ -52,6 +52,18 @@ def loss_curve(path: Path | None, peer_id: str | None) -> list[tuple[int, float]
     return sorted(curve.items())
 
 
+def merged_curve(kept: Any, read: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The checkpoint's ``eval_curve`` (``[[step, loss], ...]``, NodeStats) and a metrics file's
+    :func:`loss_curve`, by outer step (the file's value of a step wins: it holds every measurement)."""
+    curve: dict[int, float] = {}
+    for point in kept if isinstance(kept, list) else []:
+        if (isinstance(point, (list, tuple)) and len(point) == 2 and isinstance(point[0], int) and not isinstance(point[0], bool)
+                and isinstance(point[1], float) and math.isfinite(point[1])):
+            curve[point[0]] = point[1]
+    curve.update(dict(read))
+    return sorted(curve.items())
+
+
 def _thin(curve: list[tuple[int, float]], n: int) -> list[tuple[int, float]]:
     """At most ``n`` points of ``curve``, evenly spread, its first and last kept."""
     if len(curve) <= n:
@@ -87,6 +99,16 @@ def contributors(ckpt: dict[str, Any], peer_id: str) -> list[dict[str, Any]]:
     return [{"name": peer_id[:8], "peer_id": peer_id, "tokens": int(ckpt.get("tokens_total", 0) or 0),
              "verified_rounds": rounds, "confirmed_rounds": 0, "witnesses": 0, "uptime_s": None, "share": 1.0,
              "first_hand": True, "self_reported": False}]
+
+
+def _rounds_with_us(ckpt: dict[str, Any]) -> dict[str, int]:
+    """peer id -> the verified rounds this node shared with it (the checkpoint's ``ledger.rounds_with``)."""
+    ledger = ckpt.get("ledger") if isinstance(ckpt.get("ledger"), dict) else {}
+    out = {}
+    for item in ledger.get("rounds_with") or []:
+        if isinstance(item, (list, tuple)) and len(item) == 3 and isinstance(item[0], str) and isinstance(item[1], int):
+            out[item[0]] = item[1]
+    return out
 
 
 def model_card(spec: Any, ckpt: dict[str, Any], info: dict[str, Any], curve: list[tuple[int, float]]) -> str:
@@ -147,24 +169,31 @@ def model_card(spec: Any, ckpt: dict[str, Any], info: dict[str, Any], curve: lis
                  "", "| outer step | held-out loss |", "|---:|---:|",
                  *(f"| {step} | {loss:.4f} |" for step, loss in _thin(curve, MAX_CURVE_ROWS))]
     else:
-        body += ["No held-out loss was found (the node's metrics file was not given, or holds none)."]
+        body += ["No held-out loss was measured yet."]
     body += [
         "",
         "## Contributors",
         "",
-        "From this peer's last view of the run's contribution ledger. **first-hand**: this peer counted "
-        "those rounds itself (itself, and the peers it averaged with); other rows are each peer's own "
-        "report, with the rounds other peers' records back (*confirmed*, a lower bound: groups smaller "
-        "than the swarm under-confirm). **self-reported** marks claims that others' records do not back.",
+        "From this peer's last view of the run's contribution ledger. Tokens, rounds and uptime are each "
+        "peer's own report; *confirmed* are the rounds other peers' records back (a lower bound: groups "
+        "smaller than the swarm under-confirm). **first-hand**: the rounds this peer itself shared with "
+        "that peer. **self-reported** marks claims that others' records do not back.",
         "",
         "| contributor | peer id | tokens | share of confirmed tokens | verified rounds (confirmed) | uptime | source |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
+    ours = _rounds_with_us(ckpt)
     for r in rows:
         share = r.get("confirmed_share") if "confirmed_share" in r else r.get("share")
-        source = "first-hand" if r.get("first_hand") else (
-            "self-reported" if r.get("self_reported") else f"reported, backed by {int(r.get('witnesses') or 0)} peers' records")
-        if r.get("first_hand") and r.get("self_reported"):
+        peer = r.get("peer_id")
+        if peer == peer_id:
+            source = "this peer"
+        elif peer in ours:  # its figures are its own report; the rounds we shared with it we counted
+            source = f"first-hand: {ours[peer]} verified rounds with this peer"
+        else:
+            source = ("self-reported" if r.get("self_reported")
+                      else f"reported, backed by {int(r.get('witnesses') or 0)} peers' records")
+        if (peer == peer_id or peer in ours) and r.get("self_reported"):
             source += "; self-reported beyond the rounds others back"
         body.append(f"| {_text(r.get('name'))} | `{_text(r.get('peer_id'), 12)}` | {int(r.get('tokens') or 0):,} | "
                     f"{'–' if share is None else f'{100 * share:.1f}%'} | {int(r.get('verified_rounds') or 0)} "

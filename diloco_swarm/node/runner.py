@@ -309,7 +309,7 @@ class Node(Startup):
         the swarm's as a late peer's does."""
         if self.sync.in_flight and not self._finish_round_in_flight():
             return  # a stop was requested meanwhile
-        started, last_upkeep = time.monotonic(), time.monotonic()
+        started = last_upkeep = self.stats.paused_since = time.monotonic()
         try:
             while not self.stop.requested and paused is not None:
                 if paused != self.stats.paused:  # paused now, or for another reason (owner, the window)
@@ -322,7 +322,8 @@ class Node(Startup):
                 paused = self.pauses.now()
         finally:
             self.stats.paused, last = None, self.stats.paused
-            self.stats.paused_s += time.monotonic() - started
+            self.stats.paused_s += time.monotonic() - started  # (a goodput read between these two lines leaves it out twice)
+            self.stats.paused_since = None
         if self.stop.requested:
             return
         paused_s = time.monotonic() - started
@@ -500,6 +501,7 @@ class Node(Startup):
                 "inner_steps_total": self.stats.inner_steps_total, "tokens_total": self.stats.tokens_total,
                 "outer": self.state.outer.state_dict(),  # a sparse mode's residual too (node/feedback.py)
                 "ledger": self.stats.ledger_state(),  # our rounds, our partners', our last leaderboard (dht/ledger.py)
+                "eval_curve": self.stats.eval_curve,  # held-out loss by outer step, for export's model card
                 **({"feedback": self.feedback.residual} if self.feedback is not None else {})}
 
     def _record_snapshot(self) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from diloco_swarm.dht.swarm import (BootstrapFailed, InitialPeersAreUs, StateDir
 from diloco_swarm.invites import ORGANISER_KEY_FILE
 from diloco_swarm.models import num_parameters
 from diloco_swarm.node.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, remove_stale_temp_files
+from diloco_swarm.node.config import IDENTITY_FILE
 from diloco_swarm.node.dylu import PhasePlanner
 from diloco_swarm.node.invitation import save_private_files
 from diloco_swarm.node.errors import NodeError
@@ -195,7 +196,7 @@ class Startup:
         self.our_pass.owner = owner_digest(signature_validator(validators).local_public_key)
         # --port 0: our last run's port when it is free, so the addresses other peers keep for us stay valid
         dht_args = dict(host=cfg.host, port=cfg.port or previous_port(cfg.state_dir, cfg.host), announce=cfg.announce,
-                        identity_path=cfg.state_dir / "identity.key", record_validators=validators)
+                        identity_path=cfg.state_dir / IDENTITY_FILE, record_validators=validators)
         self.dht = self._start_dht_or_rejoin(dht_args)
         cfg = self.cfg  # its initial peers may now be the known peers we rejoined through
         self.peer_id = self.dht.peer_id.to_base58()
@@ -391,6 +392,7 @@ class Startup:
             self.stats.inner_steps_total = int(ckpt["inner_steps_total"])
             self.stats.tokens_total = int(ckpt["tokens_total"])
             self.stats.load_ledger(ckpt.get("ledger"))  # (absent before the ledger: counts start at 0)
+            self.stats.load_eval_curve(ckpt.get("eval_curve"))
             if self.feedback is not None and "feedback" in ckpt:  # (a checkpoint of a dense mode has none: e = 0)
                 self.feedback.load(ckpt["feedback"])
             counters = {"outer_step": self.outer_step, "restarted_below": self.state.restarted_below,

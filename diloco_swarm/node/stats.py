@@ -15,6 +15,8 @@ from typing import Any
 from diloco_swarm.dht.lineages import MAX_THETA_MARKS
 from diloco_swarm.dht.records import MAX_PARTNERS
 
+MAX_EVAL_POINTS = 512  # of the held-out loss curve kept in the checkpoint (its first and newest always among them)
+
 
 @dataclass
 class NodeStats:
@@ -46,7 +48,8 @@ class NodeStats:
     phase_eta: float = 0.0  # unix time at which the current phase should end (0 = not training yet)
     averaging_round: int | None = None  # the grid round we look for a group in (grouping.round_number)
     paused: Any = None  # node.pause.Paused while the node trains no more (its record's `paused`), else None
-    paused_s: float = 0.0  # wall seconds spent paused: not counted against goodput
+    paused_s: float = 0.0  # wall seconds spent in pauses that ended: not counted against goodput
+    paused_since: float | None = None  # time.monotonic() at which the pause going on began (None: none)
     peers_seen: int = 1  # live peers, us included, as the start barrier counts them (the status line's `peers N`)
     last_round: dict[str, Any] | None = None
     avoided_peers: dict[str, str] = field(default_factory=dict)  # peer id -> why our averager shuns it (conduct.py)
@@ -56,15 +59,20 @@ class NodeStats:
     # the contribution ledger (dht/ledger.py), kept in the checkpoint: our verified rounds, and per partner
     # of our most recent verified rounds [rounds shared, the tokens it weighed in them], oldest first
     verified_rounds: int = 0
+    verified_tokens: int = 0  # our own weight (tokens) in those rounds
     rounds_with: OrderedDict = field(default_factory=OrderedDict)
     leaderboard: list = field(default_factory=list)  # our last view of the run's ledger (housekeeping.py)
+    # [outer step, held-out loss of θ_global there] as measured, oldest first, thinned to MAX_EVAL_POINTS:
+    # kept in the checkpoint for export's model card (a node need not write a metrics file)
+    eval_curve: list = field(default_factory=list)
 
     def wall_s(self) -> float:
         return time.monotonic() - self.started
 
     def goodput(self) -> float:
         """Share of wall time spent in inner steps whose Δ was applied (time paused on purpose left out)."""
-        total = self.wall_s() - self.paused_s
+        since = self.paused_since  # (read once: the training thread ends a pause while the publisher reads)
+        total = self.wall_s() - self.paused_s - (time.monotonic() - since if since is not None else 0.0)
         return min(1.0, max(0.0, (self.inner_s - self.wasted_inner_s) / total)) if total > 0 else 0.0
 
     def count_round(self, result, mixing=None, me: str = "") -> None:
@@ -90,20 +98,37 @@ class NodeStats:
         self.verified_rounds += 1
         partners = OrderedDict(self.rounds_with)  # a new dict: the publisher thread may be reading the old one
         for peer in group:
-            if peer == me:
-                continue
             meta = gathered.get(peer)
             weight = meta.get("weight") if isinstance(meta, dict) else None
             tokens = int(weight) if isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0 else 0
+            if peer == me:
+                self.verified_tokens += tokens
+                continue
             rounds, total = partners.pop(peer, (0, 0))
             partners[peer] = (rounds + 1, total + tokens)  # newest last
         while len(partners) > MAX_PARTNERS:
             partners.popitem(last=False)
         self.rounds_with = partners
 
+    def note_eval(self, outer_step: int, loss: float) -> None:
+        """A held-out loss of θ_global at ``outer_step`` (node/evaluation.py): into :attr:`eval_curve`."""
+        self.eval_loss, self.eval_outer_step = loss, outer_step
+        if not math.isfinite(loss):
+            return
+        curve = [p for p in self.eval_curve if p[0] != outer_step] + [[int(outer_step), float(loss)]]
+        if len(curve) > MAX_EVAL_POINTS:  # every other point, the first and the newest kept
+            curve = curve[:-1:2] + curve[-1:]
+        self.eval_curve = curve
+
+    def load_eval_curve(self, curve: Any) -> None:
+        """Restore :attr:`eval_curve` from a checkpoint (absent or malformed: empty)."""
+        ok = isinstance(curve, list) and all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and isinstance(p[1], float) for p in curve)
+        self.eval_curve = list(curve)[-MAX_EVAL_POINTS:] if ok else []
+
     def ledger_state(self) -> dict[str, Any]:
         """The checkpoint's ``ledger``: plain lists, dicts and numbers (``torch.load(weights_only=True)``)."""
-        return {"verified_rounds": self.verified_rounds,
+        return {"verified_rounds": self.verified_rounds, "verified_tokens": self.verified_tokens,
                 "rounds_with": [[p, int(r), int(t)] for p, (r, t) in self.rounds_with.items()],
                 "leaderboard": [dict(row) for row in self.leaderboard]}
 
@@ -112,9 +137,10 @@ class NodeStats:
         start values: the ledger is a report, never a reason to refuse a resume."""
         if not isinstance(state, dict):
             return
-        count = state.get("verified_rounds")
-        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
-            self.verified_rounds = count
+        for name in ("verified_rounds", "verified_tokens"):
+            count = state.get(name)
+            if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+                setattr(self, name, count)
         partners = OrderedDict()
         for item in state.get("rounds_with") if isinstance(state.get("rounds_with"), list) else []:
             if (isinstance(item, (list, tuple)) and len(item) == 3 and isinstance(item[0], str)
@@ -148,13 +174,14 @@ class NodeStats:
         """The fields of :class:`~diloco_swarm.node.report.StatusLine`."""
         return {**self.live, "outer_step": outer_step, "inner_steps": inner_steps, "peers_seen": self.peers_seen,
                 "last_round": self.last_round, "failed_rounds": self.failed_rounds, "reachability": reachability,
-                "goodput": self.goodput(), "paused": self.paused.describe() if self.paused is not None else None}
+                "goodput": self.goodput(), "paused": None if (paused := self.paused) is None else paused.describe()}
 
     def peer_record(self) -> dict[str, Any]:
         """This node's measured fields of its signed peer record (dht/records.py)."""
         last = self.last_round or {}
+        paused = self.paused  # read once: the training thread ends a pause while the publisher thread reads this
         return {
-            "tokens_per_s": 0.0 if self.paused is not None else float(self.tokens_per_s or self.live.get("tokens_per_s", 0.0)),
+            "tokens_per_s": 0.0 if paused is not None else float(self.tokens_per_s or self.live.get("tokens_per_s", 0.0)),
             "loss": self.live.get("loss"),
             "eval_loss": self.eval_loss,
             "eval_outer_step": self.eval_outer_step if self.eval_loss is not None else None,
@@ -173,6 +200,7 @@ class NodeStats:
             "theta_marks": self.theta_marks.copy(),  # copy(): the publisher reads it on its own thread
             "avoided_peers": self.avoided_peers,
             "verified_rounds": self.verified_rounds,
+            "verified_tokens": self.verified_tokens,
             "rounds_with": self.rounds_with,  # replaced, never changed in place: safe to read from the publisher
-            "paused": self.paused.why if self.paused is not None else None,
+            "paused": paused.why if paused is not None else None,
         }
