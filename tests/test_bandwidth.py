@@ -10,6 +10,7 @@ import math
 import time
 
 import pytest
+import torch
 
 from diloco_swarm.averaging.bandwidth import (
     MAX_CAP_MBPS, MIN_CAP_MBPS, TIMEOUT_MARGIN, UNCAPPED_MBPS, WIRE_OVERHEAD, RateLimit, advertised_mbps,
@@ -128,3 +129,43 @@ def test_each_member_sends_a_capped_peer_its_share_of_the_cap():
     assert stream_share(8.0, 2).mbps == 8.0
     assert stream_share(None, 5).mbps is None
     assert stream_share("lots", 5).mbps is None
+
+
+@pytest.mark.timeout(240)
+def test_a_member_at_the_lowest_cap_in_a_group_of_six_is_waited_for_and_the_round_verifies():
+    """Six real averagers, one capped at 2 Mbit/s up. hivemind gives it no slice to reduce (it advertised 2
+    against 100), so it sends each of the five others a part of 2^19 bytes, all at once over its one cap: the
+    first part reaches the last of them after ~11 s, past hivemind's 10 s wait for a sender to start. The
+    group's waits grow to its slowest cap, so the round verifies on every member, with the capped member's
+    upload at its cap."""
+    import threading
+
+    from averagerlib import averagers
+    from diloco_swarm.averaging.averager import PseudoGradientAverager
+    from diloco_swarm.averaging.request import RoundRequest
+
+    class Capped(PseudoGradientAverager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, max_upload_mbps=MIN_CAP_MBPS, **kwargs)
+
+    Capped.__name__ = Capped.__qualname__ = PseudoGradientAverager.__name__  # (hivemind's RPC namespace)
+    n, values = 6, 5 * 540_000  # five slices of one part each
+    deltas = [[torch.randn(values, generator=torch.Generator().manual_seed(i))] for i in range(n)]
+    results: list = [None] * n
+    with averagers("capped-six", n, (False,) * n, [(values,)], (PseudoGradientAverager,) * (n - 1) + (Capped,),
+                   allreduce_timeout=20.0) as group:
+        def run(i: int) -> None:
+            results[i] = group[i].average(RoundRequest(delta=deltas[i], weight=100.0, metadata={}, timeout=30.0,
+                                                       group_size=n))
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=150.0)
+    assert all(r is not None for r in results), "a member's round did not end"
+    assert all(r.ok for r, _ in results), [(r.ok, r.reason) for r, _ in results]
+    assert len({r.digest for r, _ in results}) == 1
+    capped = results[-1][0]
+    floor = capped.bytes_sent * WIRE_OVERHEAD / bytes_per_second(MIN_CAP_MBPS)
+    assert capped.bytes_sent >= values and capped.seconds >= 0.95 * floor, (capped.bytes_sent, capped.seconds, floor)
