@@ -45,7 +45,7 @@ def test_claims_beyond_the_witnesses_are_self_reported_and_lag_is_forgiven():
     records = three_honest()
     # c's record ran one round ahead of its partners' (published first): within the lag
     records["QmC"] = record("QmC", "c", tokens=600, rounds=6, with_=[("QmA", 6, 600), ("QmB", 6, 600)])
-    # b claims 10x its tokens and 20 more rounds: its partners' records back 500 and 5
+    # b claims 10x its tokens and 20 more rounds: its partners' records hold 500 + 600 and 5 + 6
     records["QmB"] = record("QmB", "b", tokens=5000, rounds=5 + LAG_ROUNDS + 20, with_=[("QmA", 5, 500), ("QmC", 5, 500)])
     rows = {r["name"]: r for r in leaderboard(records, first_hand={"QmA"})}
     assert not rows["c"]["self_reported"] and rows["c"]["confirmed_rounds"] == 5
@@ -55,8 +55,9 @@ def test_claims_beyond_the_witnesses_are_self_reported_and_lag_is_forgiven():
     assert rows["b"]["share"] == pytest.approx(5000 / 6100)  # claimed tokens: the boast shows in `share`
     assert rows["b"]["confirmed_share"] == pytest.approx(600 / 1600)  # ... not in the confirmed share (a: 500, c: 500)
     assert rows["a"]["first_hand"] and not rows["b"]["first_hand"]
-    # the tokens alone (rounds honest) are flagged too: more than LAG_ROUNDS rounds' worth beyond the confirmed 600
-    records["QmB"] = record("QmB", "b", tokens=600 + (LAG_ROUNDS + 1) * 100, rounds=5, with_=[("QmA", 5, 500)])
+    # the tokens alone (rounds honest) are flagged too: more than LAG_ROUNDS rounds' worth beyond all that a's and
+    # c's records hold for b (500 + 600)
+    records["QmB"] = record("QmB", "b", tokens=1100 + (LAG_ROUNDS + 1) * 100, rounds=5, with_=[("QmA", 5, 500)])
     assert {r["name"]: r for r in leaderboard(records)}["b"]["self_reported"]
     # ... but not tokens nobody could see: a night of solo rounds while the others were paused
     records["QmB"] = record("QmB", "b", tokens=50_000, rounds=5, verified_tokens=500, with_=[("QmA", 5, 500)])
@@ -70,7 +71,8 @@ def test_a_record_is_one_witness_however_often_it_lists_a_peer():
     with pytest.raises(ValueError, match="lists a partner twice"):
         PeerRecord.parse_obj({**honest["QmA"], "rounds_with": entries})
     forged = {**honest["QmA"], "rounds_with": entries * 16}  # (a row from a reader that skipped the schema)
-    assert witnessed([forged])["QmX"] == (9, 900, 1)
+    w = witnessed([forged])["QmX"]
+    assert (w.rounds, w.tokens, w.rounds_sum, w.tokens_sum, w.records) == (9, 900, 9, 900, 1)
     assert normalize_snapshot({"peer_id": "QmA", "rounds_with": {"QmX": (9, 900)}})["rounds_with"] == entries[:1]
 
 
@@ -90,7 +92,10 @@ def test_the_confirmed_count_is_the_largest_witness_count():
     z = record("QmZ", "z", with_=[("QmX", 5, 500)])
     row = {r["name"]: r for r in leaderboard([x, y, z])}["x"]
     assert (row["confirmed_rounds"], row["confirmed_tokens"], row["witnesses"]) == (5, 500, 2)
-    assert row["self_reported"]  # 8 claimed, 5 backed: beyond LAG_ROUNDS (what the page says of grids)
+    # 8 claimed, 5 certain: churn or a grid's groups, not a boast, while the sum (3 + 5) holds the claim
+    assert not row["self_reported"]
+    x = record("QmX", "x", tokens=1100, rounds=11)  # 11 > 3 + 5 + LAG_ROUNDS: more than anyone saw
+    assert {r["name"]: r for r in leaderboard([x, y, z])}["x"]["self_reported"]
 
 
 def test_the_record_fields_are_bounded_and_old_records_still_parse():
@@ -188,3 +193,23 @@ def test_the_held_out_curve_is_kept_for_the_model_card_without_a_metrics_file():
     assert restored.eval_curve == []
     # the metrics file's values win where both have a step; the checkpoint fills the rest
     assert merged_curve([[0, 5.0], [2, 4.0]], [(2, 3.5), (4, 3.0)]) == [(0, 5.0), (2, 3.5), (4, 3.0)]
+
+
+def test_a_node_remembers_the_peers_that_left_and_their_evidence():
+    """The model card is the exporting node's view: peers that left stay in it, and their records still
+    back the rounds of the peers they averaged with (honest churn: partners came and went)."""
+    from diloco_swarm.dht.ledger import keep_records
+
+    a = record("QmA", "alice", tokens=9700, rounds=97, with_=[("QmB", 43, 4300), ("QmC", 55, 5500)])
+    b = record("QmB", "bob", tokens=4300, rounds=43, with_=[("QmA", 43, 4300)])
+    c = record("QmC", "carol", tokens=5500, rounds=55, with_=[("QmA", 55, 5500)], updated=2.0)
+    kept = keep_records({}, [a, b, c])
+    kept = keep_records(kept, [a])  # bob and carol left: their records are gone from the DHT
+    rows = {r["name"]: r for r in leaderboard(kept)}
+    assert set(rows) == {"alice", "bob", "carol"}
+    assert not rows["alice"]["self_reported"] and rows["alice"]["confirmed_rounds"] == 55  # 43 + 55 hold her 97
+    stats = NodeStats()
+    stats.ledger_records = kept
+    restored = NodeStats()
+    restored.load_ledger(stats.ledger_state())
+    assert restored.ledger_records == kept

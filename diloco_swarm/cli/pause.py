@@ -26,7 +26,8 @@ def _node_running(state_dir: Path, command: str) -> bool:
     """Whether a node holds ``state_dir``'s lock (it must exist). :raises typer.Exit: code 2, no such dir."""
     require_node(command)
     if not state_dir.is_dir():
-        raise fail(f"--state-dir {state_dir}: no such directory; give the state dir of the node to {command} "
+        what = "is a file, not a directory" if state_dir.exists() else "no such directory"
+        raise fail(f"--state-dir {state_dir}: {what}; give the state dir of the node to {command} "
                    f"(its `diloco-node join --state-dir`)")
     from diloco_swarm.dht.swarm import StateDirBusy, StateDirLock, SwarmError  # lazy: hivemind
     from diloco_swarm.node.config import IDENTITY_FILE

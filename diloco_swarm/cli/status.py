@@ -235,15 +235,15 @@ def render_leaderboard(board: list[dict[str, Any]]) -> Table:
     other peers' records confirm; ``self-reported`` where the claims run ahead of them."""
     from diloco_swarm.dashboard.charts import fmt_duration, fmt_si  # lazy: pydantic
 
-    table = Table(title=Text("contributors"), title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
-                  pad_edge=False, padding=(0, 1))
+    table = Table(title=Text("contributors online (most confirmed tokens first)"), title_justify="left",
+                  header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
     table.add_column("contributor", min_width=10, overflow="fold")
-    for head in ("tokens", "confirmed", "share", "rounds", "confirmed"):
+    for head in ("tokens", "confirmed", "confirmed share", "rounds", "confirmed"):
         table.add_column(head, justify="right", no_wrap=True)
     table.add_column("uptime", justify="right", no_wrap=True)
     table.add_column("evidence", no_wrap=True)
     for e in board:
-        share = "–" if e["share"] is None else f"{100 * e['share']:.1f}%"
+        share = "–" if e["confirmed_share"] is None else f"{100 * e['confirmed_share']:.1f}%"
         evidence = (Text("self-reported", style="yellow") if e["self_reported"]
                     else Text(f"{e['witnesses']} peer{'s' if e['witnesses'] != 1 else ''}" if e["witnesses"] else "–"))
         table.add_row(Text(printable(e["name"])), fmt_si(e["tokens"]), fmt_si(e["confirmed_tokens"]), share,

@@ -9,18 +9,22 @@ round (averaging/results.py ``RoundResult.ok``) every member sees the group's pe
 (tokens) each member gathered to the group, and counts them in its record's ``rounds_with`` (its
 :data:`~diloco_swarm.dht.records.MAX_PARTNERS` most recent partners). A peer's **confirmed** rounds
 (and tokens) are the largest count that another peer's record holds for it: a lower bound, exact
-when every group holds the whole swarm. Groups smaller than the swarm (a Moshpit grid) spread a
-peer's rounds over several partners, none of whom saw them all, so confirmed rounds fall below
-the truth there; a peer whose partners left the run loses its witnesses. A witness is a peer too:
-two peers in collusion can vouch for each other (docs/decisions.md, "The contribution ledger").
+when the same partners saw all its rounds. A claim is **self-reported** when it exceeds the sum of
+what all others hold for it: every verified round had another member, so no honest peer claims more,
+while partners that came and went (churn, a Moshpit grid's groups) each saw only a part. A peer
+whose partners left the run loses their evidence, unless the reader kept their last records (a node
+does: :func:`keep_records`). A witness is a peer too: two peers in collusion can vouch for each
+other (docs/decisions.md, "The contribution ledger").
 
     rows = leaderboard(records)                        # records: {peer_id: PeerRecord or its dict}
+    kept = keep_records(kept, records)                 # a reader's memory of peers that left
     rows[0] -> {"name", "peer_id", "tokens", "confirmed_tokens", "share", "confirmed_share",
                 "verified_rounds", "confirmed_rounds", "witnesses", "uptime_s", "self_reported", "why"}
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 # Rounds a peer's claim may run ahead of its witnesses' records: each record is re-signed every 5 s,
@@ -56,11 +60,23 @@ def latest_by_peer(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, An
     return list(out.values())
 
 
-def witnessed(records: Iterable[Mapping[str, Any]]) -> dict[str, tuple[int, int, int]]:
-    """peer id -> (confirmed rounds, confirmed tokens, witnesses): the largest ``rounds`` and ``tokens``
-    that another peer's ``rounds_with`` holds for it (each maximum on its own), and how many records list
-    it. A record's entry for itself is ignored."""
-    out: dict[str, tuple[int, int, int]] = {}
+@dataclass(frozen=True)
+class Witness:
+    """What other peers' records hold for one peer: the largest counts any one of them holds (``rounds``,
+    ``tokens``: at least this much happened), their sums (``rounds_sum``, ``tokens_sum``: every verified
+    round of the peer had another member, so it cannot have had more) and how many records list it."""
+
+    rounds: int = 0
+    tokens: int = 0
+    rounds_sum: int = 0
+    tokens_sum: int = 0
+    records: int = 0
+
+
+def witnessed(records: Iterable[Mapping[str, Any]]) -> dict[str, Witness]:
+    """peer id -> :class:`Witness` from the ``rounds_with`` of the other peers' records (a record's entry for
+    itself is ignored; a record lists a peer once: its first entry counts)."""
+    out: dict[str, Witness] = {}
     for record in records:
         me, seen = record.get("peer_id"), set()
         for entry in record.get("rounds_with") or ():
@@ -68,8 +84,9 @@ def witnessed(records: Iterable[Mapping[str, Any]]) -> dict[str, tuple[int, int,
             if not isinstance(peer, str) or peer == me or peer in seen:  # (a record is one witness of a peer)
                 continue
             seen.add(peer)
-            rounds, tokens, n = out.get(peer, (0, 0, 0))
-            out[peer] = (max(rounds, _count(entry.get("rounds"))), max(tokens, _count(entry.get("tokens"))), n + 1)
+            w, rounds, tokens = out.get(peer, Witness()), _count(entry.get("rounds")), _count(entry.get("tokens"))
+            out[peer] = Witness(max(w.rounds, rounds), max(w.tokens, tokens), w.rounds_sum + rounds,
+                                w.tokens_sum + tokens, w.records + 1)
     return out
 
 
@@ -86,9 +103,10 @@ def leaderboard(records: Mapping[str, Any] | Iterable[Any], *, first_hand: Itera
         verified rounds), ``confirmed_tokens``, ``share`` and ``confirmed_share`` (of the run's claimed /
         confirmed tokens, 0..1; None while the run has none), ``verified_rounds`` (claimed),
         ``confirmed_rounds``, ``witnesses`` (records that list it), ``uptime_s``, ``first_hand``,
-        ``self_reported`` (its claims about its verified rounds run ahead of what others back by more
-        than :data:`LAG_ROUNDS` rounds: their count, or their tokens beyond its confirmed tokens plus
-        ``LAG_ROUNDS`` rounds' worth) and ``why`` (what is not backed; "" if nothing).
+        ``self_reported`` (its claims about its verified rounds exceed what all other records together
+        hold for it, by more than :data:`LAG_ROUNDS` rounds: their count, or their tokens beyond
+        ``LAG_ROUNDS`` rounds' worth; partners that came and went each saw a part, so the sum, not the
+        largest, bounds an honest claim) and ``why`` (what is not backed; "" if nothing).
     """
     values = list(records.values()) if isinstance(records, Mapping) else list(records)
     dicts = latest_by_peer(_fields(r) for r in values)[:MAX_ROWS]
@@ -99,18 +117,18 @@ def leaderboard(records: Mapping[str, Any] | Iterable[Any], *, first_hand: Itera
         peer = str(r.get("peer_id") or "")
         claimed_rounds, tokens = _count(r.get("verified_rounds")), _count(r.get("tokens_total"))
         claimed_tokens = _count(r.get("verified_tokens"))
-        rounds, confirmed_tokens, witnesses = backed.get(peer, (0, 0, 0))
-        per_round = confirmed_tokens / rounds if rounds else 0.0
+        w = backed.get(peer, Witness())
+        per_round = w.tokens / w.rounds if w.rounds else 0.0
         why = []
-        if claimed_rounds > rounds + LAG_ROUNDS:
-            why.append(f"claims {claimed_rounds} verified rounds, others' records back {rounds}")
-        if claimed_tokens > confirmed_tokens + LAG_ROUNDS * per_round:
-            why.append(f"claims {claimed_tokens} tokens in verified rounds, others' records back {confirmed_tokens}")
-        uptime = r.get("uptime_s")
+        if claimed_rounds > w.rounds_sum + LAG_ROUNDS:
+            why.append(f"claims {claimed_rounds} verified rounds, others' records hold {w.rounds_sum}")
+        if claimed_tokens > w.tokens_sum + LAG_ROUNDS * per_round:
+            why.append(f"claims {claimed_tokens} tokens in verified rounds, others' records hold {w.tokens_sum}")
+        uptime, claim = r.get("uptime_s"), claimed_tokens or tokens  # (older records carry no verified_tokens)
         rows.append({"name": display_name(r), "peer_id": peer, "tokens": tokens, "verified_tokens": claimed_tokens,
-                     "confirmed_tokens": min(max(tokens, claimed_tokens), confirmed_tokens),
-                     "verified_rounds": claimed_rounds, "confirmed_rounds": min(claimed_rounds, rounds) if claimed_rounds else rounds,
-                     "witnesses": witnesses, "uptime_s": float(uptime) if isinstance(uptime, (int, float)) else 0.0,
+                     "confirmed_tokens": min(claim, w.tokens),
+                     "verified_rounds": claimed_rounds, "confirmed_rounds": min(claimed_rounds, w.rounds) if claimed_rounds else w.rounds,
+                     "witnesses": w.records, "uptime_s": float(uptime) if isinstance(uptime, (int, float)) else 0.0,
                      "first_hand": peer in known, "self_reported": bool(why), "why": "; ".join(why)})
     total, confirmed_total = sum(r["tokens"] for r in rows), sum(r["confirmed_tokens"] for r in rows)
     for row in rows:
@@ -118,3 +136,23 @@ def leaderboard(records: Mapping[str, Any] | Iterable[Any], *, first_hand: Itera
         row["confirmed_share"] = row["confirmed_tokens"] / confirmed_total if confirmed_total else None
     rows.sort(key=lambda r: (-r["confirmed_tokens"], -r["tokens"], r["name"], r["peer_id"]))
     return rows
+
+
+LEDGER_FIELDS = ("peer_id", "name", "tokens_total", "verified_rounds", "verified_tokens", "uptime_s", "rounds_with",
+                 "updated")
+
+
+def keep_records(kept: Mapping[str, Mapping[str, Any]], records: Mapping[str, Any] | Iterable[Any]) -> dict[str, dict]:
+    """``kept`` (peer id -> the :data:`LEDGER_FIELDS` of its last record seen) updated with ``records`` (as
+    :func:`leaderboard` takes them; the most recently updated record of a peer wins): what a long-lived
+    reader (a node, for its model card) remembers of peers that left, plain dicts and lists. At most
+    :data:`MAX_ROWS`, the least recently updated dropped."""
+    values = list(records.values()) if isinstance(records, Mapping) else list(records)
+    out = {str(k): dict(v) for k, v in kept.items() if isinstance(v, Mapping)}
+    for r in latest_by_peer([*out.values(), *(_fields(r) for r in values)]):
+        fields = {k: r.get(k) for k in LEDGER_FIELDS}
+        fields["rounds_with"] = [dict(e) for e in (r.get("rounds_with") or ()) if isinstance(e, Mapping)]
+        out[str(r.get("peer_id") or "")] = fields
+    if len(out) > MAX_ROWS:
+        out = dict(sorted(out.items(), key=lambda kv: -(kv[1].get("updated") or 0))[:MAX_ROWS])
+    return out

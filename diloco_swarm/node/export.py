@@ -143,8 +143,9 @@ def export_model(state_dir: Path, out: Path, metrics_file: Path | None = None) -
         CheckpointError: a corrupt checkpoint.
     """
     if metrics_file is not None and not metrics_file.is_file():
-        raise ExportError(f"--metrics-file {metrics_file} does not exist; give the node's --metrics-file, or leave it "
-                          "out (the checkpoint keeps the held-out loss curve)")
+        what = "is not a file" if metrics_file.exists() else "does not exist"
+        raise ExportError(f"--metrics-file {metrics_file} {what}; give the node's --metrics-file, or leave it out "
+                          "(the checkpoint keeps the held-out loss curve)")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is an existing file; choose a new folder (nothing was written)")
     if out.exists() and any(out.iterdir()):

@@ -8,7 +8,7 @@ import contextlib
 import time
 from typing import Any, Callable
 
-from diloco_swarm.dht.ledger import leaderboard
+from diloco_swarm.dht.ledger import keep_records, leaderboard
 from diloco_swarm.dht.records import read_peer_records
 from diloco_swarm.dht.swarm import refresh_run_spec
 from diloco_swarm.node.round_policy import SILENT_RECORDS
@@ -57,8 +57,10 @@ class Housekeeping:
             # outlives it unchanged): the status line's `peers N`
             self.stats.peers_seen = 1 + len(self.swarm.live(records, SILENT_RECORDS * self.records.interval_s))
             self.remember_peers(records)
-            if records:  # our last view of the ledger, kept in the checkpoint for export's model card
-                self.stats.leaderboard = leaderboard(records, first_hand={self.me, *self.stats.rounds_with})
+            if records:  # our view of the ledger, peers that left included, kept in the checkpoint for export's card
+                self.stats.ledger_records = keep_records(self.stats.ledger_records, records)
+                self.stats.leaderboard = leaderboard(self.stats.ledger_records,
+                                                     first_hand={self.me, *self.stats.rounds_with})
         now = time.monotonic()
         busy = self._reconnecting is not None and not self._reconnecting.done()
         if now - self._last_reconnect >= REDIAL_EVERY_S and self.swarm.recent_peers and not busy:

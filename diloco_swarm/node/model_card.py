@@ -158,8 +158,8 @@ def model_card(spec: Any, ckpt: dict[str, Any], info: dict[str, Any], curve: lis
             ("compression", spec.compression), ("seed", spec.seed), ("sequence length", spec.seq_len),
             ("spec hash", spec.spec_hash()))),
         "",
-        f"This peer trained {info['tokens_total']:,} tokens over {info['outer_step']} outer steps; the run's "
-        f"contributors below report {sum(int(r.get('tokens') or 0) for r in rows):,} tokens in all.",
+        f"θ_global is at outer step {info['outer_step']}; this peer trained {info['tokens_total']:,} tokens of it, and "
+        f"the contributors below (every peer this peer saw in the run) report {sum(int(r.get('tokens') or 0) for r in rows):,} in all.",
         "",
         "## Held-out loss",
         "",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diloco_swarm.dht.lineages import MAX_THETA_MARKS
+from diloco_swarm.dht.ledger import keep_records
 from diloco_swarm.dht.records import MAX_PARTNERS
 
 MAX_EVAL_POINTS = 512  # of the held-out loss curve kept in the checkpoint (its first and newest always among them)
@@ -62,6 +63,7 @@ class NodeStats:
     verified_tokens: int = 0  # our own weight (tokens) in those rounds
     rounds_with: OrderedDict = field(default_factory=OrderedDict)
     leaderboard: list = field(default_factory=list)  # our last view of the run's ledger (housekeeping.py)
+    ledger_records: dict = field(default_factory=dict)  # the last record of every peer seen (dht/ledger.keep_records)
     # [outer step, held-out loss of θ_global there] as measured, oldest first, thinned to MAX_EVAL_POINTS:
     # kept in the checkpoint for export's model card (a node need not write a metrics file)
     eval_curve: list = field(default_factory=list)
@@ -130,7 +132,7 @@ class NodeStats:
         """The checkpoint's ``ledger``: plain lists, dicts and numbers (``torch.load(weights_only=True)``)."""
         return {"verified_rounds": self.verified_rounds, "verified_tokens": self.verified_tokens,
                 "rounds_with": [[p, int(r), int(t)] for p, (r, t) in self.rounds_with.items()],
-                "leaderboard": [dict(row) for row in self.leaderboard]}
+                "leaderboard": [dict(row) for row in self.leaderboard], "records": dict(self.ledger_records)}
 
     def load_ledger(self, state: Any) -> None:
         """Restore :meth:`ledger_state`. Absent (older checkpoints) or malformed parts are left at their
@@ -149,6 +151,8 @@ class NodeStats:
         self.rounds_with = partners
         board = state.get("leaderboard")
         self.leaderboard = [row for row in board if isinstance(row, dict)] if isinstance(board, list) else []
+        kept = state.get("records")
+        self.ledger_records = keep_records({}, [r for r in kept.values() if isinstance(r, dict)]) if isinstance(kept, dict) else {}
 
     def totals(self) -> dict[str, Any]:
         """The cumulative fields of every ``outer_step`` metrics record."""
