@@ -181,17 +181,19 @@ def _forced_public_swarm(tmp_path, net, attempt: int):
 def test_nat_peers_forced_public_never_keep_a_wrong_average(tmp_path, net):
     """(b) two NATed hosts forced to --public: affected rounds are reported as failed, and no
     peer continues with anything but the true group mean or its own Δ."""
-    for attempt in (1, 2):
+    for attempt in (1, 2, 3):
         nodes, dumps, nat_ids = _forced_public_swarm(tmp_path, net, attempt)
         ok, failed = check_rounds(dumps)  # every attempt's rounds must hold, whether or not the NATed pair met
         together = [r for r in _rounds(dumps) if nat_ids <= set(r["group"])]
         # The meeting is staged, not guaranteed: a peer that cannot be reached is found gone once it is late
         # for its group (node/redial.py: ProbePeers), so the pair meets only when both are on time. CI once saw
         # the first round begin without one of them, and the pair never met again. A second swarm then
-        # stages it again: only the staging is retried, never the checks.
+        # stages it again: only the staging is retried, never the checks. Under a full CI run's load the pair
+        # missed each other twice in a row once (each NATed peer averaged with the two public ones, in groups
+        # of 3), and met in the first attempt alone: a third staging.
         if together:
             break
-    assert together, "the two NATed full peers never met in a group, twice: " + str(
+    assert together, "the two NATed full peers never met in a group, three times: " + str(
         [(r["peer_id"][-6:], [g[-6:] for g in r["group"]], r["ok"]) for r in _rounds(dumps)])
     assert not [r for r in together if r["ok"]], "a group of two unreachable full peers was kept"
     assert failed
