@@ -3,7 +3,9 @@
 The node is the product's, subclassed (faults and probes live in the tests): after every applied
 round, while a checkpoint is written and when it serves a donation, it lists every tensor of
 the process (``gc``), keeps one per storage (shared storages and views count once, by data pointer),
-and appends ``{"at", "outer_step", "params", "bytes", "tensors"}`` to ``$CENSUS_FILE`` (JSON Lines).
+and appends ``{"at", "outer_step", "params", "bytes", "tensors", "file_mapped_bytes"}`` to
+``$CENSUS_FILE`` (JSON Lines). Storages in a file mapping (the checkpoint writer reads its file back
+memory-mapped, node/checkpoint.py) are page cache, not the node's memory: counted apart.
 The averager's shared buffers are counted too: they are mapped in this process. Right after it adopts
 a downloaded state, it also records ``averager_shm_bytes``: the shared memory its averager process
 still maps (the download came through it).
@@ -28,8 +30,23 @@ from diloco_swarm.node.runner import Node  # noqa: E402
 _lock = threading.Lock()
 
 
-def held_storages() -> tuple[int, int]:
-    """(bytes, count) of the distinct storages of every CPU tensor in this process."""
+def file_mappings() -> list[tuple[int, int]]:
+    """Address ranges of this process mapped from a regular file other than torch's shared memory:
+    a checkpoint read back memory-mapped (node/checkpoint.py: its pages are the page cache's, read
+    on demand, not the node's memory)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/") and "/torch_" not in fields[5] and not fields[5].startswith("/dev/"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def held_storages() -> tuple[int, int, int]:
+    """(bytes, count, file-mapped bytes) of the distinct storages of every CPU tensor in this process;
+    storages in a file mapping are counted apart, in the third figure."""
+    mapped = file_mappings()  # before and after the scan: a check may map and unmap meanwhile
     seen: dict[int, int] = {}
     for obj in gc.get_objects():
         try:
@@ -39,7 +56,10 @@ def held_storages() -> tuple[int, int]:
             seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
         except Exception:  # (tensors being torn down on another thread, or without storage)
             continue
-    return sum(seen.values()), len(seen)
+    mapped += file_mappings()
+    in_file = {ptr for ptr in seen if any(start <= ptr < end for start, end in mapped)}
+    return (sum(n for ptr, n in seen.items() if ptr not in in_file), len(seen),
+            sum(seen[ptr] for ptr in in_file))
 
 
 def shm_mapped(pid: int) -> int:
@@ -56,9 +76,10 @@ def shm_mapped(pid: int) -> int:
 class CensusNode(Node):
     def _census(self, at: str) -> None:
         with _lock:
-            nbytes, count = held_storages()
+            nbytes, count, file_mapped = held_storages()
             with open(os.environ["CENSUS_FILE"], "a") as f:
                 f.write(json.dumps({"at": at, "outer_step": self.outer_step, "bytes": nbytes, "tensors": count,
+                                    "file_mapped_bytes": file_mapped,
                                     "params": sum(p.numel() for p in self.params)}) + "\n")
 
     def _after_round(self, *args, **kwargs) -> None:
