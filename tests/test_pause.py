@@ -217,7 +217,7 @@ def test_a_round_reads_the_training_peers_and_a_planned_member_turned_paused_has
     records.pop("b")
     handoff = SimpleNamespace(delta=[], standing=4, inner_s=1.0, tokens=1, carried=None)
     outcome = r._average(handoff, control=None)
-    assert outcome.alone and outcome.result.reason == "no other peer online", outcome.result
+    assert outcome.alone and outcome.result.reason == "no other peer training (1 paused)", outcome.result
 
 
 def test_a_paused_peers_step_does_not_hold_back_where_the_swarm_stands():

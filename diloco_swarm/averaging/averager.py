@@ -41,8 +41,8 @@ from hivemind.utils import get_dht_time, get_logger
 
 from diloco_swarm.averaging.admission import Admission
 from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner, RoundStats
-from diloco_swarm.averaging.bandwidth import (RECEIVE_CAP_KEY, RateLimit, advertised_mbps, group_timeout, longest_timeout,
-                                               part_timeouts)
+from diloco_swarm.averaging.bandwidth import (RECEIVE_CAP_KEY, RateLimit, advertised_mbps, gathered_caps, longest_timeout,
+                                               sized_to_caps)
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
 from diloco_swarm.averaging.sparse import SPARSE_MODES, SparseInt8Codec
 from diloco_swarm.averaging.conduct import PeerConduct
@@ -301,30 +301,11 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
         return {"gathered": gathered, "stats": dataclasses.asdict(stats), "avoided": self._conduct.shunned_peers()}
 
     def _sized_to_caps(self, group_info, kwargs: dict) -> tuple[dict, float]:
-        """A group's all-reduce sized to its members' caps (averaging/bandwidth.py): ``kwargs`` for the runner
-        with the download caps they stated (``receive_caps``) and hivemind's waits between parts grown to the
-        slowest cap (``part_timeouts``), and the seconds the whole all-reduce may take (``group_timeout``,
-        within :attr:`allreduce_ceiling_s`)."""
-        bandwidths, receive_caps = self._gathered_caps(group_info)
-        stated = [*bandwidths, *receive_caps]  # a member that advertises more than it receives is held to the less
-        sender_s, reducer_s = part_timeouts(kwargs["sender_timeout"], kwargs["reducer_timeout"],
-                                            kwargs["part_size_bytes"], len(group_info.peer_ids), stated)
-        timeout = min(group_timeout(self._configured_allreduce_s, self._round_bytes, stated), self._allreduce_timeout_s)
-        return {**kwargs, "receive_caps": receive_caps, "sender_timeout": sender_s, "reducer_timeout": reducer_s}, timeout
-
-    def _gathered_caps(self, group_info) -> tuple[list, list]:
-        """(the bandwidths the members advertised in matchmaking, the download caps they stated:
-        ``bandwidth.RECEIVE_CAP_KEY``), in the group's order; untrusted, anything (None where unreadable)."""
-        bandwidths, receive_caps = [], []
-        for g in group_info.gathered:
-            try:
-                bandwidth, _, meta = self.serializer.loads(g)
-                meta = self.serializer.loads(meta)
-            except Exception:  # malformed gathered data: hivemind's own parsing refuses the group
-                bandwidth, meta = None, None
-            bandwidths.append(bandwidth)
-            receive_caps.append(meta.get(RECEIVE_CAP_KEY) if isinstance(meta, dict) else None)
-        return bandwidths, receive_caps
+        """A group's all-reduce sized to its members' caps (``bandwidth.sized_to_caps``): the runner's
+        ``kwargs`` and the seconds the whole all-reduce may take, within :attr:`allreduce_ceiling_s`."""
+        timeouts = (self._configured_allreduce_s, self._allreduce_timeout_s)
+        return sized_to_caps(kwargs, gathered_caps(group_info.gathered, self.serializer.loads), timeouts,
+                             self._round_bytes)
 
     def _group_problem(self, group_info) -> str | None:
         """Why this group must not run its round (``grouping.group_problem`` of the members' gathered

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import Any, AsyncIterator, Iterable, Optional, TypeVar
+from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -153,3 +153,34 @@ def longest_timeout(configured_s: float, round_bytes: int) -> float:
     the node and hivemind's own wait allow the all-reduce, so that a group sized to a slow member is
     never cut by them first."""
     return group_timeout(configured_s, round_bytes, [MIN_CAP_MBPS])
+
+
+def gathered_caps(gathered: Sequence[bytes], loads: Callable[[bytes], Any]) -> tuple[list, list]:
+    """(the bandwidths the members advertised in matchmaking, the download caps they stated:
+    :data:`RECEIVE_CAP_KEY`), in the group's order, from hivemind's gathered bytes (``loads``: the
+    averager's serializer); untrusted, anything (None where unreadable)."""
+    bandwidths, receive_caps = [], []
+    for g in gathered:
+        try:
+            bandwidth, _, meta = loads(g)
+            meta = loads(meta)
+        except Exception:  # malformed gathered data: hivemind's own parsing refuses the group
+            bandwidth, meta = None, None
+        bandwidths.append(bandwidth)
+        receive_caps.append(meta.get(RECEIVE_CAP_KEY) if isinstance(meta, dict) else None)
+    return bandwidths, receive_caps
+
+
+def sized_to_caps(kwargs: dict, caps: tuple[list, list], timeouts: tuple[float, float],
+                  round_bytes: int) -> tuple[dict, float]:
+    """A group's all-reduce sized to its members' caps (:func:`gathered_caps`): the runner's ``kwargs``
+    with the download caps they stated (``receive_caps``) and hivemind's waits between parts grown to the
+    slowest cap (:func:`part_timeouts`), and the seconds the whole all-reduce may take
+    (:func:`group_timeout` of ``timeouts[0]``, ``--allreduce-timeout``, within ``timeouts[1]``, the
+    ceiling: :func:`longest_timeout`)."""
+    bandwidths, receive_caps = caps
+    stated = [*bandwidths, *receive_caps]  # a member that advertises more than it receives is held to the less
+    sender_s, reducer_s = part_timeouts(kwargs["sender_timeout"], kwargs["reducer_timeout"],
+                                        kwargs["part_size_bytes"], len(bandwidths), stated)
+    timeout = min(group_timeout(timeouts[0], round_bytes, stated), timeouts[1])
+    return {**kwargs, "receive_caps": receive_caps, "sender_timeout": sender_s, "reducer_timeout": reducer_s}, timeout

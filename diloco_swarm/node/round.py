@@ -146,7 +146,7 @@ class Round:
         donors = bool(set(p.averager.donors()) - self._paused)  # a paused peer still serves its state: no round partner
         alone = policy.nobody_online(records, me=p.peer_id, donors=donors)
         early = policy.before_plan(records, me=p.peer_id, donors=donors, overlap=p.overlap,
-                                   max_outer_steps=p.cfg.max_outer_steps)
+                                   max_outer_steps=p.cfg.max_outer_steps, paused=len(self._paused))
         if early is not None:
             return self._skipped(early, own)
         planned, gone = self._plan(handoff, records)

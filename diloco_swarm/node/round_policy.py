@@ -105,15 +105,16 @@ def nobody_online(records: Mapping[str, Any], *, me: str, donors: bool) -> bool:
 
 
 def before_plan(records: Mapping[str, Any], *, me: str, donors: bool, overlap: bool,
-                max_outer_steps: int) -> Solo | Skip | None:
-    """The round's first decision, from one read of the records (peer id -> record, ours included)
-    and whether any state donor is announced (``donors``): None to go on and plan.
+                max_outer_steps: int, paused: int = 0) -> Solo | Skip | None:
+    """The round's first decision, from one read of the records (peer id -> record, ours included,
+    the paused peers' left out: :func:`training`; ``paused``: how many those were) and whether any
+    state donor is announced (``donors``): None to go on and plan.
 
     In blocking mode a peer with nobody online still looks for a group (a peer that starts at the
     same moment may come); in overlap mode it does not wait out the window."""
     others = [r for p, r in records.items() if p != me]
     if overlap and nobody_online(records, me=me, donors=donors):
-        return Solo("no other peer online")
+        return Solo(f"no other peer training ({paused} paused)" if paused else "no other peer online")
     if 0 < max_outer_steps and others and all(r.outer_step >= max_outer_steps and r.phase_eta <= 0 for r in others):
         # they finished the run without us and wait to serve their state (StateSync.end_on_one_model)
         return Skip("the other peers finished the run (--max-outer-steps) without us")

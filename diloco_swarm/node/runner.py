@@ -41,11 +41,12 @@ from diloco_swarm.node.invitation import OurPass
 from diloco_swarm.node.global_state import GlobalState, ThetaHistory
 from diloco_swarm.node.mixing import ThetaMixer
 from diloco_swarm.node.outer_sync import Carried, Handoff, OuterSync, Preview, RoundOutcome
-from diloco_swarm.node.pause import POLL_S, Paused, PauseWatch
+from diloco_swarm.node.pause import PauseWatch
 from diloco_swarm.node.report import MetricsWriter, StatusLine, round_fields
 from diloco_swarm.node.round import Round
 from diloco_swarm.node.signals import StopFlag
-from diloco_swarm.node.startup import Startup
+from diloco_swarm.node.sit_out import SitOut
+from diloco_swarm.node.startup import Startup, autocast, device_and_precision
 from diloco_swarm.node.statesync import StateSync
 from diloco_swarm.node.stats import NodeStats
 from diloco_swarm.node.swarm_view import SwarmView
@@ -58,7 +59,6 @@ MAX_PHASE_BATCHES = 1 << 40  # the batch stream of a phase is open-ended: the lo
 ROUND_GIVE_UP_S = 15.0  # a round given up gets this long to end
 ROUND_WAIT_POLL_S = 0.5  # a training thread waiting for a round looks at the stop flag this often
 SWARM_REFRESH_S = 5.0  # a phase planned before we knew our speed re-reads the swarm's records this often
-PAUSED_UPKEEP_S = 10.0  # a paused node reads the swarm's records this often (its status line's peer count)
 GRID_DIMS_GUESS = 3  # with --target-group-size set, keep mixing references for a grid this deep until one is planned
 
 
@@ -106,7 +106,12 @@ class Node(Startup):
         self._carried: Carried | None = None  # late rounds whose Δ θ_local still holds (outer_sync.hold)
         self._last_phase_index = -1  # data and LR warm-up index of the last phase (a late round repeats no data)
         self._preview = Preview()  # of the round in flight: its average taken into θ_local as it arrives
-        self.pauses = PauseWatch(config.state_dir, config.active_hours)  # `diloco-node pause`, --active-hours
+        # `diloco-node pause`, --active-hours (node/pause.py decides, node/sit_out.py carries it out)
+        self.sit_out = SitOut(PauseWatch(config.state_dir, config.active_hours), stats=self.stats, stop=self.stop,
+                              housekeeping=self.housekeeping, metrics=self.metrics,
+                              finish_round=lambda: not self.sync.in_flight or self._finish_round_in_flight(),
+                              resume=self._resume_from_pause, show=self._status, say=self.status.log,
+                              whoami=lambda: (self.peer_id, self.outer_step))
         self._unsent_tokens = 0  # tokens of a phase cut short by a pause: θ_local keeps its steps for the next hand-off
 
     def run(self) -> None:
@@ -143,9 +148,9 @@ class Node(Startup):
                         break
                     self._apply_round(wait=True)  # the last round: nothing left to overlap it with
                     continue
-                paused = self.pauses.now()
+                paused = self.sit_out.now()
                 if paused is not None:
-                    self._sit_out(paused)
+                    self.sit_out(paused)
                     continue
                 handoff = self._inner_phase()
                 trained = True
@@ -205,7 +210,7 @@ class Node(Startup):
             if self.stop.requested:
                 self.stats.wasted_inner_s += self.stats.inner_s - inner_before
                 return None
-            if self.pauses.now() is not None:  # θ_local keeps the steps so far: the next hand-off carries them
+            if self.sit_out.now() is not None:  # θ_local keeps the steps so far: the next hand-off carries them
                 self._unsent_tokens += tokens
                 return None
             t0 = time.monotonic()
@@ -290,7 +295,7 @@ class Node(Startup):
     def _inner_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One AdamW step on one batch ([B, T] int64 inputs and targets); returns its loss (nats/token)."""
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        with self._autocast():
+        with autocast(self.device):
             _, loss = self.model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
@@ -301,49 +306,9 @@ class Node(Startup):
         self.stats.inner_steps_total += 1
         return loss.item()
 
-    def _sit_out(self, paused: Paused) -> None:
-        """Paused (node/pause.py): the round in flight ends by its own rules (applied, held or given up: never
-        half an outer step), then the node trains nothing until resumed. Its record stays published and re-signed,
-        saying ``paused``, so no round waits for it (rule 66). On resume it takes the swarm's state when the
-        swarm has moved on by two steps or more (``StateSync.resume``); one step behind, its next round meets
-        the swarm's as a late peer's does."""
-        if self.sync.in_flight and not self._finish_round_in_flight():
-            return  # a stop was requested meanwhile
-        started = last_upkeep = self.stats.paused_since = time.monotonic()
-        try:
-            while not self.stop.requested and paused is not None:
-                if paused != self.stats.paused:  # paused now, or for another reason (owner, the window)
-                    self._say_paused(paused)
-                if time.monotonic() - last_upkeep >= PAUSED_UPKEEP_S:
-                    last_upkeep = time.monotonic()
-                    self.housekeeping.upkeep_soon()
-                    self._status()
-                self.stop.event.wait(POLL_S)
-                paused = self.pauses.now()
-        finally:
-            self.stats.paused, last = None, self.stats.paused
-            self.stats.paused_s += time.monotonic() - started  # (a goodput read between these two lines leaves it out twice)
-            self.stats.paused_since = None
-        if self.stop.requested:
-            return
-        paused_s = time.monotonic() - started
-        self.metrics.write({"event": "resume", "peer_id": self.peer_id, "outer_step": self.outer_step,
-                            "paused_s": round(paused_s, 3), "why": last.why if last else None})
-        self.housekeeping.publish_soon()  # "training again": the next rounds plan with us
-        self.status.log(f"resumed after {paused_s:.0f}s paused, at outer step {self.outer_step}")
+    def _resume_from_pause(self) -> None:
         if self.state_sync.resume():  # the swarm moved on: θ_local now starts at its state
             self._carried, self._unsent_tokens = None, 0
-        self._status(force=True)
-
-    def _say_paused(self, paused: Paused) -> None:
-        """Our record, the metrics file and the log say we are paused, and why."""
-        self.stats.paused = paused
-        self.housekeeping.publish_soon()
-        self.metrics.write({"event": "pause", "peer_id": self.peer_id, "outer_step": self.outer_step,
-                            "why": paused.why, "until": paused.until})
-        self.status.log(f"outer step {self.outer_step}: {paused.describe()}; no inner steps until then (the "
-                        "record stays published; no round waits for this node)")
-        self._status(force=True)
 
     def _finish_round_in_flight(self) -> bool:
         """Wait for the round in flight and apply it (giving it up past its time bounds).
@@ -459,10 +424,10 @@ class Node(Startup):
                      late: bool = False) -> None:
         """Checkpoint (written on the checkpoint thread), evaluation within its time budget, the
         metrics record and the status line; DHT upkeep on the housekeeping thread."""
-        self.checkpoints.write_in_background()
         if not self.client_mode:
             self.averager.state_sharing_priority = self._donor_priority()
         self.evaluate(self.state.theta, self.outer_step, force=0 < self.cfg.max_outer_steps <= self.outer_step)
+        self.checkpoints.write_in_background()  # (after the evaluation: the checkpoint's eval curve holds it)
         self.metrics.write({**self._round_record(handoff, outcome, round_step),
                             "applied_at_inner_step": during_inner_step, "late": late})
         self.housekeeping.upkeep_soon()
@@ -506,10 +471,7 @@ class Node(Startup):
 
     def _record_snapshot(self) -> dict[str, Any]:
         """This peer's public record (dht/records.py), read by `status` and the dashboard."""
-        if self.device.type == "cuda":
-            device, precision = torch.cuda.get_device_name(self.device), "bf16-autocast"
-        else:
-            device, precision = str(self.device), "fp32"
+        device, precision = device_and_precision(self.device)
         return {
             "peer_id": self.peer_id,
             "name": self.cfg.name,
@@ -530,28 +492,6 @@ class Node(Startup):
         self.status.update(self.stats.status(outer_step=self.outer_step, inner_steps=self.spec.inner_steps,
                                              reachability=self.reachability), force=force)
 
-    def _autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     _ended_alone = False  # the last round applied was our own Δ alone (nobody online): said at the planned end
     _ended_in_grid = False  # the last round applied was planned in groups smaller than the swarm (a grid)
     _redial_known: list[str] = []  # the peers a restarted node knew, when it started a new swarm (startup.py)
-
-    def _shutdown(self) -> None:
-        self.supervisor.close()  # the parts now end on purpose
-        self.status.close()
-        if self.sync is not None:
-            self.sync.abandon(timeout=0.0)  # after an error: the averaging thread must not outlive us
-        self.housekeeping.close()
-        self.checkpoints.close()
-        if self.records is not None:
-            self.records.stop(remove=False)
-        for part in (self.averager, self.dht):
-            if part is not None and part.is_alive():  # a SIGTERM to our process group may have ended it
-                with contextlib.suppress(Exception):
-                    part.shutdown()
-        self.metrics.close()
-        if self.lock is not None:
-            self.lock.release()

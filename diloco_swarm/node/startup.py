@@ -79,6 +79,18 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """The inner steps' precision: bf16 autocast on CUDA, fp32 elsewhere."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def device_and_precision(device: torch.device) -> tuple[str, str]:
+    """What our record says we train on: the device's name, and its :func:`autocast` precision."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device), "bf16-autocast"
+    return str(device), "fp32"
+
+
 def _organiser_mismatch(state_dir: Path, run_id: object, theirs: object, ours: str | None) -> str:
     """The line for a checkpoint of a public run started as a private one, or the reverse, or of another
     organiser's run (``theirs``, ``ours``: the specs' organiser keys)."""
@@ -144,6 +156,24 @@ class Startup:
         if self.supervisor.lost is None:
             kept = "" if self.stop.checkpoint_problem or not self.stop.has_checkpoint else "; its checkpoint is kept"
             self.status.log(f"stopped at outer step {self.outer_step}{kept}")
+
+    def _shutdown(self) -> None:
+        """Close every part, whatever state the node is in (after a leave, or an error)."""
+        self.supervisor.close()  # the parts now end on purpose
+        self.status.close()
+        if self.sync is not None:
+            self.sync.abandon(timeout=0.0)  # after an error: the averaging thread must not outlive us
+        self.housekeeping.close()
+        self.checkpoints.close()
+        if self.records is not None:
+            self.records.stop(remove=False)
+        for part in (self.averager, self.dht):
+            if part is not None and part.is_alive():  # a SIGTERM to our process group may have ended it
+                with contextlib.suppress(Exception):
+                    part.shutdown()
+        self.metrics.close()
+        if self.lock is not None:
+            self.lock.release()
 
     def _setup(self) -> None:
         cfg, spec = self.cfg, self.spec
@@ -414,8 +444,8 @@ class Startup:
 
     def _wait_for_peers(self) -> None:
         """Optional start barrier (``--wait-for-peers N``): wait, at most ``wait_for_peers_timeout``
-        seconds, until N peers, us included, are live (:meth:`_live_peers`). A line each time the
-        count changes."""
+        seconds, until N peers, us included, are live (:meth:`_live_peers`) and not paused. A line each
+        time the count changes."""
         want = self.cfg.wait_for_peers
         if want <= 1:
             return
@@ -426,13 +456,15 @@ class Startup:
             entries = read_peer_entries(self.dht, self.spec.run_id, organiser=self.spec.organiser)
             if entries is not None:  # (None: the DHT did not answer this read; the count stands)
                 records = live_records(entries)
-                counted = self._live_peers(records)
-                live, uncounted = 1 + len(counted), len(set(records) - counted - {self.peer_id})
+                training = policy.training(records)  # a paused peer would not train with us: not counted
+                counted = self._live_peers(training)
+                live, uncounted = 1 + len(counted), len(set(training) - counted - {self.peer_id})
+                paused = len(set(records) - set(training) - {self.peer_id})
                 self.stats.peers_seen = live  # the status line's count is this one from its first line on
-                if (live, uncounted) != said:
-                    said = (live, uncounted)
+                if (live, uncounted, paused) != said:
+                    said = (live, uncounted, paused)
                     dead = (f"; not counted: {uncounted} whose record is silent or whose process is gone"
-                            if uncounted else "")
+                            if uncounted else "") + (f"; {paused} paused" if paused else "")
                     self.status.log(f"{live} of {want} peers live (us included){dead}")
                 if live >= want:
                     return
