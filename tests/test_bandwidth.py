@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from diloco_swarm.averaging.bandwidth import (
-    MAX_CAP_MBPS, MIN_CAP_MBPS, TIMEOUT_MARGIN, UNCAPPED_MBPS, WIRE_OVERHEAD, RateLimit, advertised_mbps,
+    MAX_CAP_MBPS, MIN_CAP_MBPS, PACE_SLICE_BYTES, TIMEOUT_MARGIN, UNCAPPED_MBPS, WIRE_OVERHEAD, RateLimit, advertised_mbps,
     bytes_per_second, group_timeout, longest_timeout, pace, part_timeouts, stated_mbps, stream_share)
 from diloco_swarm.averaging.state_sharing import transfer_timeout
 
@@ -91,6 +91,32 @@ def test_a_donor_at_the_lowest_cap_serves_within_a_joiners_bound_while_its_round
         done = donor.reserve(chunk)  # as many bytes of the donor's own rounds in between
     bound = transfer_timeout(10.0, state_bytes)
     assert done - started <= bound, f"a 2 Mbit/s donor needs {done - started:.0f}s for 1.2 GB, beyond the joiner's {bound:.0f}s"
+
+
+def test_a_state_chunk_takes_its_turn_between_the_parts_of_a_rounds_streams():
+    """A donor's upload cap is shared by its round's streams (hivemind parts of 2^19 bytes) and a state
+    donation. Booked whole, a chunk waited for one part of every stream: at 2 Mbit/s in a group of 6, 11.6 s,
+    past a joiner's wait for a chunk (statesync.STATE_CHUNK_TIMEOUT_S). Booked in slices, the streams take
+    turns: it waits for about a slice of each (here at 80 Mbit/s: 0.04 s, not 0.28)."""
+    upload, part, chunk, streams = RateLimit(80.0), 2**19, 2**16, 5
+
+    async def main() -> float:
+        async def stream():
+            for _ in range(2):
+                await pace(part, upload)
+
+        tasks = [asyncio.create_task(stream()) for _ in range(streams)]
+        await asyncio.sleep(0.01)  # the round's parts are booked first
+        started = time.monotonic()
+        await pace(chunk, upload)
+        waited = time.monotonic() - started
+        await asyncio.gather(*tasks)
+        return waited
+
+    waited = asyncio.run(main())
+    per_byte = WIRE_OVERHEAD / bytes_per_second(80.0)
+    whole_parts = streams * part * per_byte  # 0.28 s
+    assert waited <= 1.5 * (streams + 1) * PACE_SLICE_BYTES * per_byte + 0.05 < whole_parts, (waited, whole_parts)
 
 
 def test_two_caps_on_one_message_pace_it_at_the_slower_one():

@@ -151,6 +151,26 @@ def test_a_node_counts_verified_rounds_its_partners_and_keeps_them_in_its_checkp
     assert restored.verified_rounds == stats.verified_rounds and restored.rounds_with == {} and restored.leaderboard == []
 
 
+def test_in_groups_larger_than_a_record_lists_honest_peers_stay_witnessed():
+    """40 honest peers average in one group for 60 rounds, hivemind's order shuffled each round: a record lists
+    32 partners, yet every peer is witnessed by most of the others and nobody is flagged self-reported."""
+    import random
+
+    ids = [f"QmP{i:02d}" for i in range(40)]
+    stats = {p: NodeStats() for p in ids}
+    rng = random.Random(7)
+    for _ in range(60):
+        group = rng.sample(ids, len(ids))
+        for p in ids:
+            stats[p].count_partners(group, {q: {"weight": 100.0} for q in ids}, p)
+    records = {p: record(p, tokens=s.verified_tokens, rounds=s.verified_rounds,
+                         with_=[(q, r, t) for q, (r, t) in s.rounds_with.items()]) for p, s in stats.items()}
+    rows = leaderboard(records)
+    assert all(len(s.rounds_with) == MAX_PARTNERS for s in stats.values())
+    assert not [r["peer_id"] for r in rows if r["self_reported"]]
+    assert min(r["witnesses"] for r in rows) >= 20 and all(r["confirmed_rounds"] == 60 for r in rows)
+
+
 def test_the_dhts_schema_validator_refuses_a_record_with_too_many_partners():
     """What every DHT node runs on a stored record (hivemind's SchemaValidator over PeerRecordsSchema):
     a record with the ledger's fields passes, one with a 33rd partner does not."""

@@ -133,6 +133,26 @@ def test_the_status_line_and_the_record_say_paused_and_why():
         stats.status(outer_step=7, inner_steps=10, reachability="public"))
 
 
+def test_another_owners_record_under_a_peers_id_cannot_pause_it():
+    """Records are signed by owner keys, and a peer id is what a record says: a hostile owner may publish a
+    newer record under a training peer's id saying paused. The peer stays in the rounds (paused only when
+    every claim says so); the newest claim's other fields stand, as for any two claims of one id."""
+    from diloco_swarm.dht.records import PeerEntry, live_records
+
+    stats = NodeStats()
+
+    def claim(paused, updated):
+        stats.paused = Paused(paused) if paused else None
+        return PeerRecord.parse_obj(normalize_snapshot({"peer_id": "QmVictim", **stats.peer_record()}, now=updated))
+
+    honest, forged = claim(None, 100.0), claim("owner", 200.0)
+    records = live_records([PeerEntry("key-victim", honest, 0.0), PeerEntry("key-hostile", forged, 0.0)])
+    assert records["QmVictim"].paused is None and records["QmVictim"].updated == 200.0
+    assert set(policy.training(records)) == {"QmVictim"}
+    both = live_records([PeerEntry("key-victim", claim("owner", 300.0), 0.0), PeerEntry("key-hostile", forged, 0.0)])
+    assert both["QmVictim"].paused == "owner"  # every claim says paused: it is
+
+
 # ------------------------------------------------------------------------------ the commands
 def run(*args, cwd):
     return subprocess.run([*NODE, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
@@ -220,9 +240,11 @@ def test_a_round_reads_the_training_peers_and_a_planned_member_turned_paused_has
     assert outcome.alone and outcome.result.reason == "no other peer training (1 paused)", outcome.result
 
 
-def test_a_paused_peers_step_does_not_hold_back_where_the_swarm_stands():
-    """--active-hours overnight: P paused at step 50, A trained on to 100, R resumes at 50. P's record says
-    where P stopped, not where the swarm is: R must see step 100 as supported and catch up to it."""
+def test_a_paused_peers_step_does_not_hold_back_where_the_swarm_stands_nor_lend_one_peer_its_word():
+    """--active-hours overnight: P paused at step 50, A and B trained on to 100, R resumes at 50. P's record
+    says where P stopped, not where the swarm is: R must see step 100 as supported and catch up to it. But a
+    paused peer still counts in the quorum: a lone trainer's step, however advanced, is one peer's word (a
+    hostile H at step 1000 while the honest peers sleep makes nobody jump to it)."""
     from diloco_swarm.node.canonical import gather_evidence
 
     def entry(peer, step, paused=None):
@@ -230,10 +252,16 @@ def test_a_paused_peers_step_does_not_hold_back_where_the_swarm_stands():
                                  paused=paused, theta_marks=[])
         return SimpleNamespace(owner=f"key-{peer}", record=record)
 
-    paused_too = gather_evidence([entry("A", 100), entry("P", 50, paused="active_hours")], me="R", my_step=50)
+    paused_too = gather_evidence([entry("A", 100), entry("B", 100), entry("P", 50, paused="active_hours")],
+                                 me="R", my_step=50)
     assert paused_too.supported_step == 100 and paused_too.supported_raw_step == 100
-    both_training = gather_evidence([entry("A", 100), entry("P", 50)], me="R", my_step=50)
-    assert both_training.supported_step == 50  # one record alone never makes a step canonical (its quorum)
+    all_training = gather_evidence([entry("A", 100), entry("B", 100), entry("P", 50)], me="R", my_step=50)
+    assert all_training.supported_step == 100
+    lone = gather_evidence([entry("H", 1000), entry("P", 50, paused="owner"), entry("Q", 50, paused="owner")],
+                           me="R", my_step=50)
+    assert lone.supported_step == 50 and lone.supported_raw_step == 50  # our own step, never H's word alone
+    alone_online = gather_evidence([entry("A", 100)], me="R", my_step=50)
+    assert alone_online.supported_step == 100  # the only record there is: all of them (the quorum's floor)
 
 
 def test_time_paused_on_purpose_never_counts_against_goodput_even_while_the_pause_goes_on():

@@ -37,12 +37,15 @@ T = TypeVar("T")
 # the stated ones, which would give a capped peer an equal share)
 UNCAPPED_MBPS = 100.0
 # the lowest cap accepted: a donor serves its state at least this fast (state_sharing.MIN_STATE_RATE_BPS: a
-# joiner's bound on a download), and a part of 2^17 int8 values takes 0.5 s at it
+# joiner's bound on a download), and a hivemind part (2^19 bytes on the wire) takes 2.3 s at it
 MIN_CAP_MBPS = 2.0
 MAX_CAP_MBPS = 100_000.0
 # bytes on the link per byte of payload a limit counts: TCP/IP headers (66 B per 1448-byte segment, 4.6%),
 # libp2p's noise and yamux framing, and the ACKs of the other direction (tests/test_bandwidth_netns.py measures it)
 WIRE_OVERHEAD = 1.08
+# the streams sharing a limit take turns in slices of this many bytes (pace): at the lowest cap a slice takes
+# 0.28 s, so a donation's chunk waits about that per stream of a round, not a whole part's 2.3 s
+PACE_SLICE_BYTES = 1 << 16
 # a round's bytes at the slowest member's cap, times this, bound the group's all-reduce: the slowest
 # member sends its whole Δ once and its slice's averages to each member (hivemind's load balancing
 # keeps that slice small), and every member waits on it
@@ -58,8 +61,12 @@ class RateLimit:
     payload (times :data:`WIRE_OVERHEAD`) fit the rate.
 
     A token bucket with no burst: a message goes once its bytes have had their time at the rate, after
-    those of the messages before it, so no window of any length sees more than the rate. Shared by the coroutines of one event loop (it holds no loop state, so it is made in
-    the node's process and used in the averager's after the fork). ``mbps`` None: no limit.
+    those booked before them (:func:`pace` books in slices, so streams take turns): a lone stream never
+    sees more than the rate. A message under two limits leaves at the later of its two times, so messages
+    held by a receiver's share may leave together with later ones, a short burst above the rate.
+
+    Shared by the coroutines of one event loop (it holds no loop state, so it is made in the node's
+    process and used in the averager's after the fork). ``mbps`` None: no limit.
     """
 
     def __init__(self, mbps: Optional[float]):
@@ -87,10 +94,18 @@ class RateLimit:
 
 async def pace(n_bytes: int, *limits: RateLimit) -> None:
     """Wait until ``n_bytes`` fit every one of ``limits`` (booked on each at once: a message under two caps
-    goes at the slower one's pace, not at the sum of both waits)."""
-    wait = max((limit.reserve(n_bytes) for limit in limits), default=0.0) - time.monotonic()
-    if wait > 0:
-        await asyncio.sleep(wait)
+    goes at the slower one's pace, not at the sum of both waits), one :data:`PACE_SLICE_BYTES` slice at a
+    time: the streams that share a limit take turns by slices, so a state donation's chunk never waits
+    behind a whole hivemind part (2^19 bytes) of every stream of a round."""
+    left = n_bytes
+    while True:
+        piece = min(left, PACE_SLICE_BYTES)
+        wait = max((limit.reserve(piece) for limit in limits), default=0.0) - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        left -= piece
+        if left <= 0:
+            return
 
 
 RECEIVE_CAP_KEY = "receive_mbps"  # our gathered metadata: the download cap members pace their sends to us by

@@ -403,14 +403,21 @@ def live_records(entries: Iterable[PeerEntry]) -> dict[str, PeerRecord]:
     """``{peer_id: PeerRecord}`` of entries, tombstones skipped.
 
     ``peer_id`` is what each peer says about itself; when two owners claim the same one, the most
-    recently updated record wins.
+    recently updated record wins, but says ``paused`` only if every claim does: another owner's record
+    under a peer's id must not take that peer out of every round (``round_policy.training``).
     """
     out: dict[str, PeerRecord] = {}
+    awake: set[str] = set()  # peer ids of which some claim trains
     for entry in entries:
         record = entry.record
         if record is None:
             continue
+        if record.paused is None:
+            awake.add(record.peer_id)
         held = out.get(record.peer_id)
         if held is None or record.updated > held.updated:
             out[record.peer_id] = record
+    for peer_id in awake:
+        if out[peer_id].paused is not None:
+            out[peer_id] = out[peer_id].copy(update={"paused": None})
     return out

@@ -81,6 +81,7 @@ def gather_evidence(entries, me: str, my_step: int = 0, my_marks=(), my_debt: in
     claims: dict[tuple[int, str], dict[str, str]] = {}  # state -> {owner: the peer id its record names}
     steps: dict[str, int] = {}  # owner -> its standing
     raw: dict[str, int] = {}  # owner -> its outer step
+    owners: set[str] = set()  # every owner of a record, paused ones too: the quorum's size
     evidence = Evidence()
     for step, digest in marks_of(list(my_marks)).items():
         claims.setdefault((step, digest), {})[""] = me  # "": our own key, never an owner fingerprint
@@ -89,6 +90,7 @@ def gather_evidence(entries, me: str, my_step: int = 0, my_marks=(), my_debt: in
         if record is None or record.peer_id == me:
             continue
         stands = standing(record.outer_step, record.restarted_below)
+        owners.add(entry.owner)
         if getattr(record, "paused", None) is None:  # a paused peer's step says where it stopped, not the swarm
             steps[entry.owner] = max(steps.get(entry.owner, 0), stands)
             raw[entry.owner] = max(raw.get(entry.owner, 0), record.outer_step)
@@ -98,18 +100,21 @@ def gather_evidence(entries, me: str, my_step: int = 0, my_marks=(), my_debt: in
         for step, digest in marks_of([(m.step, m.digest) for m in record.theta_marks]).items():
             claims.setdefault((step, digest), {})[entry.owner] = record.peer_id
     # a step that we reached ourselves backs a peer's claim up to it: we trust our own state
-    evidence.supported_step = _supported(steps.values(), standing(my_step, my_debt))
-    evidence.supported_raw_step = _supported(raw.values(), my_step)
-    vouch_quorum = min(EVIDENCE_QUORUM, len(steps) + 1)
+    # a paused owner makes no claim, but counts in the quorum: a lone trainer beside paused peers is one
+    # peer's word, as it would be beside training ones
+    evidence.supported_step = _supported(steps.values(), standing(my_step, my_debt), len(owners))
+    evidence.supported_raw_step = _supported(raw.values(), my_step, len(owners))
+    vouch_quorum = min(EVIDENCE_QUORUM, len(owners) + 1)
     evidence.vouched = {state: set(who.values()) - {me} for state, who in claims.items() if len(who) >= vouch_quorum}
     return evidence
 
 
-def _supported(claims, mine: int) -> int:
-    """The newest of ``claims`` (one per record owner) that :data:`EVIDENCE_QUORUM` owners reached (all
-    of them when fewer), or ours (``mine``) up to the newest claim: we trust our own state."""
+def _supported(claims, mine: int, owners: int) -> int:
+    """The newest of ``claims`` (one per training record owner) that :data:`EVIDENCE_QUORUM` owners
+    reached (all ``owners``, paused ones included, when fewer), or ours (``mine``) up to the newest
+    claim: we trust our own state."""
     ranked = sorted(claims, reverse=True)
-    quorum = min(EVIDENCE_QUORUM, max(1, len(ranked)))
+    quorum = min(EVIDENCE_QUORUM, max(1, owners))
     return max(ranked[quorum - 1] if len(ranked) >= quorum else 0, min(mine, ranked[0]) if ranked else 0)
 
 

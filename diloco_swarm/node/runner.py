@@ -426,8 +426,10 @@ class Node(Startup):
         metrics record and the status line; DHT upkeep on the housekeeping thread."""
         if not self.client_mode:
             self.averager.state_sharing_priority = self._donor_priority()
-        self.evaluate(self.state.theta, self.outer_step, force=0 < self.cfg.max_outer_steps <= self.outer_step)
-        self.checkpoints.write_in_background()  # (after the evaluation: the checkpoint's eval curve holds it)
+        try:
+            self.evaluate(self.state.theta, self.outer_step, force=0 < self.cfg.max_outer_steps <= self.outer_step)
+        finally:  # after the evaluation, so the checkpoint's eval curve holds it; whatever the evaluation did
+            self.checkpoints.write_in_background()
         self.metrics.write({**self._round_record(handoff, outcome, round_step),
                             "applied_at_inner_step": during_inner_step, "late": late})
         self.housekeeping.upkeep_soon()

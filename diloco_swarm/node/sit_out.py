@@ -57,7 +57,8 @@ class SitOut:
                 paused = self.pauses.now()
         finally:
             self.stats.paused, last = None, self.stats.paused
-            self.stats.paused_s += time.monotonic() - started  # (a goodput read between these two lines leaves it out twice)
+            # (a goodput read between these two lines leaves the pause out twice)
+            self.stats.paused_s += time.monotonic() - started
             self.stats.paused_since = None
         if self.stop.requested:
             return

@@ -7,6 +7,7 @@ docs/dashboard.md) is a field here or derived from one, so the three views never
 from __future__ import annotations
 
 import time
+import hashlib
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -99,12 +100,18 @@ class NodeStats:
         it gathered to the group, whose ``weight`` is the tokens behind its Δ."""
         self.verified_rounds += 1
         partners = OrderedDict(self.rounds_with)  # a new dict: the publisher thread may be reading the old one
+        others = [p for p in group if p != me]
+        # a group larger than a record lists: a stable choice of our own, so each peer goes on being witnessed
+        # by most others (hivemind shuffles the group's order: the oldest-out rule would drop anyone's history)
+        listed = set(sorted(others, key=lambda p: hashlib.sha256(f"{me} {p}".encode()).digest())[:MAX_PARTNERS])
         for peer in group:
             meta = gathered.get(peer)
             weight = meta.get("weight") if isinstance(meta, dict) else None
             tokens = int(weight) if isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0 else 0
             if peer == me:
                 self.verified_tokens += tokens
+                continue
+            if peer not in listed:
                 continue
             rounds, total = partners.pop(peer, (0, 0))
             partners[peer] = (rounds + 1, total + tokens)  # newest last
