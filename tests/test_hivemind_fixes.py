@@ -247,3 +247,60 @@ def test_torchs_shared_memory_manager_survives_a_ctrl_c_to_the_group():
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "handler True" in out.stdout and "shared after SIGINT" in out.stdout, out.stdout
+
+
+def _unretrieved_writer_failure(exc: BaseException) -> None:
+    """A task named as hivemind's stream writer (``P2P._iterate_protobuf_stream_handler``'s
+    ``_write_to_stream``) fails with ``exc`` and is dropped unawaited: asyncio logs it when collected."""
+    import asyncio
+    import gc
+
+    class P2P:
+        async def _iterate_protobuf_stream_handler(self):
+            async def _write_to_stream():
+                raise exc
+
+            task = asyncio.create_task(_write_to_stream())
+            await asyncio.sleep(0.01)
+            del task  # the reader ended without awaiting the writer (a peer's connection dropped)
+
+    asyncio.run(P2P()._iterate_protobuf_stream_handler())
+    gc.collect()
+
+
+def test_a_stream_writer_to_a_peer_that_left_is_one_debug_line(caplog):
+    """After another peer's clean leave, healthy nodes printed asyncio's "Task exception was never
+    retrieved" with a ConnectionResetError traceback from hivemind's stream writer."""
+    with caplog.at_level(logging.DEBUG, logger="asyncio"):
+        _unretrieved_writer_failure(ConnectionResetError("Connection lost"))
+    records = [r for r in caplog.records if r.name == "asyncio" and "Using selector" not in r.getMessage()]
+    assert [(r.levelno, r.exc_info) for r in records] == [(logging.DEBUG, None)], records
+    assert "the peer left" in records[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="asyncio"):
+        _unretrieved_writer_failure(RuntimeError("a real bug"))  # anything else keeps its traceback
+    assert [r.levelno for r in caplog.records if r.name == "asyncio" and "Using selector" not in r.getMessage()] == [
+        logging.ERROR]
+
+
+def test_a_donation_torn_by_the_donors_outer_step_is_one_debug_line(caplog):
+    """hivemind's handler logs a failed state stream as a warning with its traceback (p2p_daemon.py:
+    "Handler failed with the exception:"); a donation our own outer step tore is routine (the joiner
+    tries the next donor), and says so in one line on each side."""
+    from diloco_swarm.averaging.donation import TornState
+    from diloco_swarm.node.statesync import _download_problem
+
+    log = logging.getLogger("hivemind.p2p.p2p_daemon")
+    torn = TornState("this peer's θ_global changed while its state streamed; ask again")
+    with caplog.at_level(logging.DEBUG, logger=log.name):
+        try:
+            raise torn
+        except TornState:
+            log.warning("Handler failed with the exception:", exc_info=True)
+        try:
+            raise RuntimeError("a real bug")
+        except RuntimeError:
+            log.warning("Handler failed with the exception:", exc_info=True)
+    assert [(r.levelno, r.exc_info is None) for r in caplog.records] == [(logging.DEBUG, True), (logging.WARNING, False)]
+    assert "the joiner asks again" in caplog.records[0].getMessage()
+    assert "trying the next donor" in _download_problem(RuntimeError(f"at QmDonor: {torn}"))

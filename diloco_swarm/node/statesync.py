@@ -441,4 +441,6 @@ def _download_problem(e: BaseException) -> str:
     text = str(e).strip() or type(e).__name__
     if "failed to dial" in text or "Connect failed" in text:
         return "could not connect to it (it may have just left or restarted)"
+    if "this peer's θ_global" in text:  # the donor's TornState (averaging/donation.py), as its handler said it
+        return "its θ_global changed while it streamed (an outer step of its own); trying the next donor"
     return text
