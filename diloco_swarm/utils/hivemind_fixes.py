@@ -190,16 +190,20 @@ def _spawn_p2pd_apart(create_subprocess_exec):
     return wrapper
 
 
+def _demoted(record: logging.LogRecord, message: str) -> bool:
+    """``record`` made one debug line saying ``message`` (no traceback); whether the logger still shows it."""
+    record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+    record.msg, record.args, record.exc_info, record.exc_text = message, None, None, None
+    return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
 class _QuietPipeErrors(logging.Filter):
     """Drop the traceback of a request that could not be read from the node's pipe (see above)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if record.funcName in ("_run", "_run_internal") and isinstance(exc, (ConnectionError, EOFError)):
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-            record.msg, record.args, record.exc_info, record.exc_text = (
-                f"a request from the parent process could not be read ({exc!r}); is it exiting?", None, None, None)
-            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+            return _demoted(record, f"a request from the parent process could not be read ({exc!r}); is it exiting?")
         return True
 
 
@@ -218,10 +222,7 @@ class _QuietCancelledReplies(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if record.funcName == "_run_coroutine" and _cancelled_reply(exc):
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-            record.msg, record.args, record.exc_info, record.exc_text = (
-                "a DHT call finished after its caller had given up on it (a bounded call timed out)", None, None, None)
-            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+            return _demoted(record, "a DHT call finished after its caller had given up on it (a bounded call timed out)")
         return True
 
 
@@ -253,10 +254,7 @@ class _QuietLeaverStreams(logging.Filter):
         text = str(record.msg)
         if (text.startswith("Task exception was never retrieved") and isinstance(exc, ConnectionError)
                 and "_iterate_protobuf_stream_handler.<locals>._write_to_stream" in text):
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-            record.msg, record.args, record.exc_info, record.exc_text = (
-                f"a stream to a peer ended mid-write ({exc!r}): the peer left", None, None, None)
-            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+            return _demoted(record, f"a stream to a peer ended mid-write ({exc!r}): the peer left")
         return True
 
 
@@ -268,10 +266,7 @@ class _QuietTornDonations(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if str(record.msg).startswith("Handler failed with the exception") and type(exc).__name__ == "TornState":
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-            record.msg, record.args, record.exc_info, record.exc_text = (
-                f"a state donation was torn by our outer step ({exc}); the joiner asks again", None, None, None)
-            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+            return _demoted(record, f"a state donation was torn by our outer step ({exc}); the joiner asks again")
         return True
 
 
