@@ -16,21 +16,7 @@ The libp2p daemon. hivemind starts ``p2pd`` in the node's process group, so a te
 killed it under the node, which then could not say goodbye and printed tracebacks.
 :func:`_spawn_p2pd_apart` starts it in its own process group, dying with the process that started it.
 
-Tracebacks at exit. A request from the node to its DHT or averager process carries the node's end
-of a pipe (hivemind's ``MPFuture``), fetched from the node when the child reads the request. A
-request still queued while the node exits cannot be read any more: the child's loop logs
-``ConnectionResetError`` with a full traceback on the user's terminal, though nothing is wrong.
-:class:`_QuietPipeErrors` turns exactly those into one debug line. The node's side of the same
-fetch is Python's ``multiprocessing.resource_sharer`` thread, which hands the pipe's descriptor
-over: a child killed mid-fetch (SIGTERM to the process group) made it print a
-``ConnectionResetError`` traceback through ``sys.excepthook``; :func:`_quiet_fd_sharer_errors`
-makes that one debug line too. A DHT call answered after its bounded caller gave up (dht/calls.py
-cancels the cross-process future) made the DHT process log ``InvalidStateError ... CANCELLED`` twice
-with tracebacks; :class:`_QuietCancelledReplies` and :func:`_reply_unless_cancelled` make it one
-debug line. A peer that leaves mid-round drops the streams the others write to it, and hivemind
-never collects the writer task's ``ConnectionResetError``: :class:`_QuietLeaverStreams` makes asyncio's
-"Task exception was never retrieved" for it one debug line, and :class:`_QuietTornDonations` the
-donor's traceback for a state download its own outer step tore (the joiner asks again).
+Tracebacks at exit, and other tracebacks of nothing wrong: diloco_swarm/utils/hivemind_logs.py.
 
 Busy matchmaking. While a peer looks for a group and no leader is in sight (a lone peer, or the
 first to arrive), hivemind's ``PotentialLeaders`` re-reads the group key from the DHT as soon as
@@ -77,7 +63,6 @@ node's own clock, which never steps (utils/clock.py).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import ctypes
 import fcntl
 import functools
@@ -91,7 +76,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 
 import torch.multiprocessing
 from hivemind.averaging import DecentralizedAverager
@@ -102,6 +86,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import timed_storage
 
 from diloco_swarm.utils import clock
+from diloco_swarm.utils.hivemind_logs import quiet_hivemind_logs, reply_unless_cancelled
 from diloco_swarm.utils.signals import STOP_SIGNALS
 
 _live_tasks: set[asyncio.Task] = set()
@@ -188,126 +173,6 @@ def _spawn_p2pd_apart(create_subprocess_exec):
 
     wrapper.__spawns_p2pd_apart__ = True
     return wrapper
-
-
-def _demoted(record: logging.LogRecord, message: str) -> bool:
-    """``record`` made one debug line saying ``message`` (no traceback); whether the logger still shows it."""
-    record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-    record.msg, record.args, record.exc_info, record.exc_text = message, None, None, None
-    return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
-
-
-class _QuietPipeErrors(logging.Filter):
-    """Drop the traceback of a request that could not be read from the node's pipe (see above)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if record.funcName in ("_run", "_run_internal") and isinstance(exc, (ConnectionError, EOFError)):
-            return _demoted(record, f"a request from the parent process could not be read ({exc!r}); is it exiting?")
-        return True
-
-
-def _cancelled_reply(exc: BaseException | None) -> bool:
-    """Whether ``exc`` is hivemind's refusal to answer a call whose caller gave up on it: our bounded
-    DHT calls (dht/calls.py) cancel the cross-process future when their time is up, and the DHT process
-    then cannot set the late result (``InvalidStateError: ... future that is CANCELLED``)."""
-    return isinstance(exc, concurrent.futures.InvalidStateError) and "CANCELLED" in str(exc)
-
-
-class _QuietCancelledReplies(logging.Filter):
-    """Demote hivemind's traceback for a DHT call answered after its caller gave up (see
-    :func:`_cancelled_reply`; a newcomer saw it in the first minute of a loaded 6-node run) to one
-    debug line: the caller already reported its timeout."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if record.funcName == "_run_coroutine" and _cancelled_reply(exc):
-            return _demoted(record, "a DHT call finished after its caller had given up on it (a bounded call timed out)")
-        return True
-
-
-def _reply_unless_cancelled(method):
-    """Wrap ``DHT._run_coroutine``: its second attempt to answer (``set_exception``) raises the same
-    refusal, which asyncio then printed as "Task exception was never retrieved"."""
-
-    @functools.wraps(method)
-    async def wrapper(*args, **kwargs):
-        try:
-            return await method(*args, **kwargs)
-        except concurrent.futures.InvalidStateError as e:
-            if not _cancelled_reply(e):
-                raise
-
-    wrapper.__replies_unless_cancelled__ = True
-    return wrapper
-
-
-class _QuietLeaverStreams(logging.Filter):
-    """Demote asyncio's "Task exception was never retrieved" for hivemind's writer of a stream to a peer
-    that left (``P2P._iterate_protobuf_stream_handler``'s ``_write_to_stream`` task, awaited only at a
-    clean end of stream: a ``ConnectionResetError`` when the peer's connection dropped mid-round is
-    never collected) to one debug line: the round's own line says which peer was lost. A newcomer saw
-    the traceback on healthy nodes after 3 of 14 clean leaves of another peer."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        text = str(record.msg)
-        if (text.startswith("Task exception was never retrieved") and isinstance(exc, ConnectionError)
-                and "_iterate_protobuf_stream_handler.<locals>._write_to_stream" in text):
-            return _demoted(record, f"a stream to a peer ended mid-write ({exc!r}): the peer left")
-        return True
-
-
-class _QuietTornDonations(logging.Filter):
-    """Demote hivemind's "Handler failed with the exception:" traceback for a state donation our own outer
-    step tore (averaging/donation.py's ``TornState``: the joiner is told, and asks again) to one debug
-    line; a newcomer's demo printed it as a 16-line warning."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if str(record.msg).startswith("Handler failed with the exception") and type(exc).__name__ == "TornState":
-            return _demoted(record, f"a state donation was torn by our outer step ({exc}); the joiner asks again")
-        return True
-
-
-class _QuietPartialResults(logging.Filter):
-    """Demote the partition's "Averaging: received 99.9% results" to DEBUG: rounded, it can read
-    "100.0%" for a partial round, and the node's own round line gives the exact count of values
-    missing (averaging/averager.py: "partial round: N of M values missing")."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.funcName == "finalize" and str(record.msg).startswith("Averaging: received"):
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
-        return True
-
-
-class _QuietGroupSizeAdvice(logging.Filter):
-    """Drop hivemind's "It is recommended to set target_group_size to a power of 2": the advice is for
-    hivemind's own group-bit splitting, and our grid sets each group's bits itself
-    (averaging/grouping.py), so any --target-group-size forms its groups (a newcomer read the line
-    as a problem with 3)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("It is recommended to set target_group_size")
-
-
-def _quiet_fd_sharer_errors(excepthook):
-    """``sys.excepthook``, but a connection error raised in ``multiprocessing/resource_sharer.py``
-    (a child that died while fetching a pipe's descriptor from this process) is one debug line."""
-
-    @functools.wraps(excepthook)
-    def hook(exc_type, exc, tb):
-        frames = traceback.extract_tb(tb) if tb is not None else []
-        if issubclass(exc_type, (ConnectionError, EOFError)) and any(
-            f.filename.endswith(os.path.join("multiprocessing", "resource_sharer.py")) for f in frames
-        ):
-            logging.getLogger(__name__).debug(f"a child process left while fetching a descriptor: {exc!r}")
-            return
-        excepthook(exc_type, exc, tb)
-
-    hook.__quiet_fd_sharer__ = True
-    return hook
 
 
 def _paced_get_averagers(get_averagers):
@@ -485,7 +350,7 @@ def patch_hivemind() -> None:
     if run_coroutine is not None and not getattr(run_coroutine, "__keeps_task_alive__", False) and not getattr(
         run_coroutine, "__replies_unless_cancelled__", False
     ):
-        DHT._run_coroutine = _reply_unless_cancelled(run_coroutine)
+        DHT._run_coroutine = reply_unless_cancelled(run_coroutine)
     for cls, names in (
         (DHT, ("_run_coroutine", "_get", "_store")),
         (DecentralizedAverager, ("_step", "_load_state_from_peers", "_get_group_bits", "_set_group_bits",
@@ -503,27 +368,7 @@ def patch_hivemind() -> None:
     averager_module._background_thread_fetch_current_state = _serve_states  # (read when an averager is built)
     if not getattr(GroupKeyManager.get_averagers, "__paced__", False):
         GroupKeyManager.get_averagers = _paced_get_averagers(GroupKeyManager.get_averagers)
-    for name in ("hivemind.dht.dht", "hivemind.averaging.averager"):
-        log = logging.getLogger(name)
-        if not any(isinstance(f, _QuietPipeErrors) for f in log.filters):
-            log.addFilter(_QuietPipeErrors())
-    dht_log = logging.getLogger("hivemind.dht.dht")
-    if not any(isinstance(f, _QuietCancelledReplies) for f in dht_log.filters):
-        dht_log.addFilter(_QuietCancelledReplies())
-    if not getattr(sys.excepthook, "__quiet_fd_sharer__", False):
-        sys.excepthook = _quiet_fd_sharer_errors(sys.excepthook)
-    key_log = logging.getLogger("hivemind.averaging.key_manager")
-    if not any(isinstance(f, _QuietGroupSizeAdvice) for f in key_log.filters):
-        key_log.addFilter(_QuietGroupSizeAdvice())
-    p2p_log = logging.getLogger("hivemind.p2p.p2p_daemon")
-    if not any(isinstance(f, _QuietTornDonations) for f in p2p_log.filters):
-        p2p_log.addFilter(_QuietTornDonations())
-    asyncio_log = logging.getLogger("asyncio")
-    if not any(isinstance(f, _QuietLeaverStreams) for f in asyncio_log.filters):
-        asyncio_log.addFilter(_QuietLeaverStreams())
-    partition_log = logging.getLogger("hivemind.averaging.partition")
-    if not any(isinstance(f, _QuietPartialResults) for f in partition_log.filters):
-        partition_log.addFilter(_QuietPartialResults())
+    quiet_hivemind_logs()
     if not getattr(P2P, "__own_socket_dir__", False):
         socket_dir = _own_socket_dir()
         if socket_dir is not None:
