@@ -24,7 +24,9 @@ whatever weight the sender claims.
 
 A part farther than τ (an outlier) is left out; the others are averaged with their weights. Honest
 parts of equal phases lie within a few median distances, so none is left out and the result is
-exactly their weighted mean. An outlier pulls the result by nothing; a hostile part placed just
+exactly their weighted mean; a small part (hivemind makes each tensor below its part size one part, so
+a LayerNorm gain of a few hundred values is one) now and then lies past τ, and that one sender's part
+of that tensor is left out of that round (docs/decisions.md, *Robust aggregation*). An outlier pulls the result by nothing; a hostile part placed just
 inside τ by at most ``wᵢ · τ / Σ w``. −8 × Δ lies about 8 × ‖Δ‖ from the centre, against it: left out.
 Where phases differ (H/4 to 2H) the median distance grows with the long phases' Δs, so a small
 peer's −8 × Δ may pass; it then moves the result by less than a long phase does
