@@ -231,6 +231,22 @@ def test_two_finishers_that_swapped_states_do_not_swap_back(monkeypatch):
     assert downloads == [["a"]] and held == ["Y"]  # 1 of 2 is no majority: it leaves on Y, as before
 
 
+def test_a_finisher_that_said_it_waits_for_a_peer_behind_says_when_the_wait_ends(monkeypatch):
+    # A newcomer's demo: "1 peer is still behind" was the last line, beside a summary with every peer at the end.
+    p, _, _ = _finisher(monkeypatch, [{"a": (9, "W")}, {"a": "X"}], first_choice=[])
+    lines = []
+    p.log = lines.append
+    p.end_on_one_model()
+    assert lines[0].startswith("1 peer is still behind (outer step 9)")
+    assert lines[1:] == ["every peer still in the run holds this final state: leaving"]
+
+    p, _, _ = _finisher(monkeypatch, [{"a": (9, "W")}], first_choice=[])  # it never catches up
+    lines.clear()
+    p.log = lines.append
+    p.end_on_one_model()
+    assert len(lines) == 2 and lines[1].startswith("leaving after 120s with 1 peer not on this final state")
+
+
 def test_a_joiner_whose_download_failed_owes_the_steps_it_could_not_download_and_an_adopted_state_clears_it():
     lines = []
     p = StateSync.__new__(StateSync)

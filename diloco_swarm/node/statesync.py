@@ -315,6 +315,8 @@ class StateSync:
                         self.records.publish_now()
                     continue
             if not behind and not others:
+                if said:  # the line above said we wait: say the wait is over, or the summary reads as a contradiction
+                    self.log("every peer still in the run holds this final state: leaving")
                 return
             # a silent peer is named once it answered: one that just left (its goodbye unseen) never does
             if not said and (others or any(p in records or p not in unanswered for p in behind)):
@@ -328,6 +330,10 @@ class StateSync:
                 self.log(f"{who} still {where}: serving {it} this final state for up to "
                                 f"{FINISH_LINGER_S:.0f}s before leaving (Ctrl+C leaves now)")
             self.stop.event.wait(LINGER_POLL_S)
+        if said and not self.stop.requested:
+            n = len(behind) + len(others)
+            self.log(f"leaving after {FINISH_LINGER_S:.0f}s with {'1 peer' if n == 1 else f'{n} peers'} not on this "
+                     "final state: they catch up from another peer or end on their own")
 
     def _holders_of_canonical(self, others: dict[str, str], mine: str, evidence: Evidence) -> list[str]:
         """Of the peers at our outer step that hold another θ_global (``others``: peer id -> digest), those
