@@ -283,6 +283,48 @@ def test_a_stream_writer_to_a_peer_that_left_is_one_debug_line(caplog):
         logging.ERROR]
 
 
+def _dropped_pending_handler() -> None:
+    """A task named as the p2p daemon's stream handler (``ControlClient._handler``) still waits when its
+    loop ends and nothing refers to it: asyncio logs "Task was destroyed but it is pending!" when collected."""
+    import asyncio
+    import gc
+
+    class ControlClient:
+        async def _handler(self):
+            await asyncio.get_running_loop().create_future()  # the connection closed: never answered
+
+    async def main():
+        asyncio.create_task(ControlClient()._handler())
+        await asyncio.sleep(0.01)
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(main())
+    loop.close()
+    gc.collect()
+
+
+def test_a_hivemind_handler_collected_pending_on_a_closed_connection_is_one_debug_line(caplog):
+    """A newcomer saw "Task was destroyed but it is pending!" for hivemind's ``ControlClient._handler`` and then
+    "Unhandled exception in client_connected_cb ... cannot reuse already awaited coroutine" on healthy peers."""
+    import asyncio
+
+    def shown(records):
+        return [(r.levelno, r.exc_info) for r in records if r.name == "asyncio" and "Using selector" not in r.getMessage()]
+
+    with caplog.at_level(logging.DEBUG, logger="asyncio"):
+        _dropped_pending_handler()
+        loop = asyncio.new_event_loop()
+        loop.call_exception_handler({"message": "Unhandled exception in client_connected_cb", "transport": None,
+                                     "exception": RuntimeError("cannot reuse already awaited coroutine")})
+    assert shown(caplog.records) == [(logging.DEBUG, None)] * 2, caplog.records
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="asyncio"):  # anything else keeps its traceback
+        loop.call_exception_handler({"message": "Unhandled exception in client_connected_cb", "transport": None,
+                                     "exception": RuntimeError("a real bug")})
+        loop.close()
+    assert [level for level, _ in shown(caplog.records)] == [logging.ERROR]
+
+
 def test_a_donation_torn_by_the_donors_outer_step_is_one_debug_line(caplog):
     """hivemind's handler logs a failed state stream as a warning with its traceback (p2p_daemon.py:
     "Handler failed with the exception:"); a donation our own outer step tore is routine (the joiner

@@ -16,6 +16,8 @@ debug line. A peer that leaves mid-round drops the streams the others write to i
 never collects the writer task's ``ConnectionResetError``: :class:`_QuietLeaverStreams` makes asyncio's
 "Task exception was never retrieved" for it one debug line, and :class:`_QuietTornDonations` the
 donor's traceback for a state download its own outer step tore (the joiner asks again).
+:class:`_QuietDroppedHandlers` does the same for hivemind tasks asyncio collects pending on a closed
+connection ("Task was destroyed but it is pending!").
 """
 
 from __future__ import annotations
@@ -96,6 +98,27 @@ class _QuietLeaverStreams(logging.Filter):
         return True
 
 
+class _QuietDroppedHandlers(logging.Filter):
+    """Demote what asyncio prints when it collects a hivemind task left pending on a closed connection
+    (a peer that joined, left or was dialled for a check): "Task was destroyed but it is pending!" for the
+    p2p daemon's stream handler (``ControlClient._handler``) or for ``amap_in_executor``'s feeder task, and
+    the "cannot reuse already awaited coroutine" that the handler's connection callback then raises
+    ("Unhandled exception in client_connected_cb"). One debug line each: nothing was lost (the round or the
+    call that used the connection reports its own outcome). A newcomer saw them on healthy peers."""
+
+    _TASKS = ("ControlClient._handler()", "amap_in_executor.<locals>._put_items()")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        text = str(record.msg)
+        if text.startswith("Task was destroyed but it is pending!") and any(t in text for t in self._TASKS):
+            return _demoted(record, "asyncio collected a hivemind task left pending on a closed connection")
+        if (text.startswith("Unhandled exception in client_connected_cb") and isinstance(exc, RuntimeError)
+                and "cannot reuse already awaited coroutine" in str(exc)):
+            return _demoted(record, "a closed connection's handler was collected before its callback ran")
+        return True
+
+
 class _QuietTornDonations(logging.Filter):
     """Demote hivemind's "Handler failed with the exception:" traceback for a state donation our own outer
     step tore (averaging/donation.py's ``TornState``: the joiner is told, and asks again) to one debug
@@ -155,7 +178,7 @@ FILTERS = {
     "hivemind.averaging.key_manager": (_QuietGroupSizeAdvice,),
     "hivemind.averaging.partition": (_QuietPartialResults,),
     "hivemind.p2p.p2p_daemon": (_QuietTornDonations,),
-    "asyncio": (_QuietLeaverStreams,),
+    "asyncio": (_QuietLeaverStreams, _QuietDroppedHandlers),
 }
 
 
