@@ -151,6 +151,24 @@ def test_a_node_counts_verified_rounds_its_partners_and_keeps_them_in_its_checkp
     assert restored.verified_rounds == stats.verified_rounds and restored.rounds_with == {} and restored.leaderboard == []
 
 
+def test_a_round_counts_each_members_tokens_as_the_reducers_weigh_them():
+    """A member that gathers 10⁶ tokens beside three of about 100 is witnessed at 4× their median
+    (``robust.WEIGHT_CAP``), what the group's average gave it; a group of two is weighed as claimed (as the
+    reducers do: no rule tells two apart)."""
+    from diloco_swarm.averaging.robust import WEIGHT_CAP
+    from diloco_swarm.node.stats import counted_tokens
+
+    gathered = {"QmA": {"weight": 100.0}, "QmB": {"weight": 120.0}, "QmC": {"weight": 90.0}, "QmX": {"weight": 1e6}}
+    group = ["QmA", "QmB", "QmC", "QmX"]
+    assert counted_tokens(group, gathered) == {"QmA": 100, "QmB": 120, "QmC": 90, "QmX": int(WEIGHT_CAP * 100)}
+    stats = NodeStats()
+    stats.count_partners(group, gathered, "QmA")
+    assert stats.rounds_with["QmX"] == (1, 400) and stats.verified_tokens == 100
+    assert counted_tokens(["QmA", "QmX"], gathered) == {"QmA": 100, "QmX": 1_000_000}
+    bad = {"QmA": {"weight": "x"}, "QmB": {"weight": -5.0}, "QmC": None, "QmX": {"weight": True}}
+    assert counted_tokens(group, bad) == {p: 0 for p in group}
+
+
 def test_in_groups_larger_than_a_record_lists_honest_peers_stay_witnessed():
     """40 honest peers average in one group for 60 rounds, hivemind's order shuffled each round: a record lists
     32 partners, yet every peer is witnessed by most of the others and nobody is flagged self-reported."""

@@ -335,3 +335,62 @@ def test_four_averagers_keep_one_hostile_delta_out_agree_bit_for_bit_and_name_it
     finally:
         for part in (*averagers, *dhts[::-1]):
             part.shutdown()
+
+
+def _weight_liar():
+    """An averager class (built here: tests/faults.py holds the node-level faults) that gathers its true weight
+    to the group, then sends its parts at 4× that weight: the reducers' mean would weigh it so, the ledger not."""
+    from diloco_swarm.averaging.averager import PseudoGradientAverager
+
+    async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
+        return await PseudoGradientAverager._aggregate_with_group(self, group_info, min_vector_size,
+                                                                  **{**kwargs, "weight": 4 * kwargs["weight"]})
+
+    # hivemind names every RPC protocol after the servicer class's name (tests/faults.py does the same)
+    name = PseudoGradientAverager.__name__
+    return type(name, (PseudoGradientAverager,), {"__qualname__": name, "_aggregate_with_group": _aggregate_with_group})
+
+
+@pytest.mark.timeout(300)
+def test_a_sender_whose_parts_carry_another_weight_than_it_gathered_is_refused_and_named():
+    """A member's parts must carry the weight it gathered to the group (what the contribution ledger counts):
+    3 honest averagers refuse the parts of one that gathers 100 tokens and sends its parts at 400, and name it;
+    nobody keeps that round (each holds its Δ, as after any refused part)."""
+    import threading
+
+    from diloco_swarm.averaging.averager import PseudoGradientAverager
+    from diloco_swarm.averaging.request import RoundRequest
+    from diloco_swarm.dht.swarm import start_dht, visible_maddrs
+
+    n = 4
+    dhts = [start_dht(initial_peers=[], host="127.0.0.1", port=0)]
+    dhts += [start_dht(initial_peers=visible_maddrs(dhts[0]), host="127.0.0.1", port=0) for _ in range(n - 1)]
+    kinds = [PseudoGradientAverager] * (n - 1) + [_weight_liar()]
+    averagers = [kind([torch.zeros(s) for s in ROUND_SHAPES], dht, prefix="weight-liar", target_group_size=n,
+                      matchmaking_time=3.0, allreduce_timeout=30.0, part_size_bytes=PART_BYTES)
+                 for kind, dht in zip(kinds, dhts)]
+    deltas = _round_deltas(n, hostile=0)
+    try:
+        for _ in range(3):  # another try only when matchmaking left a member out, which is not what this checks
+            results: list = [None] * n
+
+            def run(i):
+                results[i], _ = averagers[i].average(RoundRequest(
+                    delta=deltas[i], weight=100.0, metadata={}, timeout=30.0, digest_wait=10.0, group_size=n))
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120.0)
+            assert all(r is not None for r in results), "a round did not return within 120 s"
+            if all(r.group_size == n for r in results):
+                break
+        liar = averagers[-1].peer_id.to_base58()
+        named = [r.rejected_peers.get(liar, "") for r in results[:-1] if r.group_size == n]
+        assert named and all("sent parts at weight 400.0, not the 100.0 it gathered" in why for why in named), (
+            [(r.ok, r.reason, r.rejected_peers) for r in results])
+        assert not any(r.ok for r in results), "a member kept an average with the liar's parts in it"  # held, as for any refusal
+    finally:
+        for part in (*averagers, *dhts[::-1]):
+            part.shutdown()

@@ -12,7 +12,8 @@ partitioning, load balancing and timeouts:
    bytes it sends (decode(encode(avg))). Every member decodes the same bytes, so all members
    end the round with bit-identical values.
 2. Incoming parts are checked before they are summed: the sender must use our codec, its
-   weight must be finite and within bounds, its values finite, and their RMS no more than
+   weight must be finite, within bounds and the one it gathered to the group (what the ledger
+   witnesses), its values finite, and their RMS no more than
    ``max_part_rms_ratio`` times the reducer's own part, scaled by how many more tokens the
    sender trained on (:func:`allowed_scale`); our own part counts as at least ``RMS_FLOOR``. A sender that breaks a
    rule is refused for the round and named in the round report.
@@ -153,13 +154,17 @@ class ConsensusAllReduceRunner(AllReduceRunner):
     :param receive_caps: the download cap each member stated (``bandwidth.RECEIVE_CAP_KEY``, untrusted), in
         ``ordered_peer_ids``' order: what we send a capped member is paced to its share
         (``bandwidth.stream_share``).
+    :param gathered_weights: the weight each member gathered to the group (``request.gathered_weights``), in
+        ``ordered_peer_ids``' order: a sender's parts must carry it. None (θ-mixing): not checked here.
     """
 
     reducer_type: type[TensorPartReducer] = RobustPartReducer  # how our slice's parts are combined
 
     def __init__(self, *args, stats: RoundStats, max_part_rms_ratio: float, upload: RateLimit | None = None,
-                 download: RateLimit | None = None, receive_caps: Sequence | None = None, **kwargs):
+                 download: RateLimit | None = None, receive_caps: Sequence | None = None,
+                 gathered_weights: Sequence | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self._gathered_weights = {peer.to_base58(): w for peer, w in zip(self.ordered_peer_ids, gathered_weights or ())}
         self._upload, self._download = upload or RateLimit(None), download or RateLimit(None)
         caps = list(receive_caps or [])
         self._towards = {peer: stream_share(caps[i] if i < len(caps) else None, len(self.ordered_peer_ids))
@@ -379,6 +384,8 @@ class ConsensusAllReduceRunner(AllReduceRunner):
             return "sent parts in another codec"
         if not (math.isfinite(weight) and 0.0 <= weight <= MAX_SENDER_WEIGHT):
             return f"sent an invalid weight {weight!r}"
+        if sender in self._gathered_weights and weight != self._gathered_weights[sender]:
+            return f"sent parts at weight {weight!r}, not the {self._gathered_weights[sender]!r} it gathered"
         if part_index >= len(self.parts_for_local_averaging):
             return "sent more parts than expected"
         if tensor_part.shape != self.parts_for_local_averaging[part_index].shape:

@@ -51,7 +51,7 @@ from diloco_swarm.averaging.grouping import grid_group_quorum, group_problem, ma
 from diloco_swarm.averaging.matchmaking import LateMembers, await_group, configure_round, lower_target, round_settings
 from diloco_swarm.averaging.mixing_round import ThetaMixing
 from diloco_swarm.averaging.reachability import Responder, refusal, shown_admission
-from diloco_swarm.averaging.request import RoundRequest
+from diloco_swarm.averaging.request import RoundRequest, gathered_weights
 from diloco_swarm.averaging.results import RoundResult, short_reason
 from diloco_swarm.averaging.state_sharing import StateProvider, StateSharing
 from diloco_swarm.dht.calls import ChildUnavailable
@@ -280,6 +280,7 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
         self._remember_group(group_info)  # its θ-mixing all-reduce may follow
         try:
             kwargs, timeout = self._sized_to_caps(group_info, kwargs)
+            kwargs["gathered_weights"] = gathered_weights(group_info.gathered, self.serializer.loads)
             gathered = await asyncio.wait_for(super()._aggregate_with_group(group_info, min_vector_size, **kwargs),
                                               timeout)
             step = self._step_in_flight

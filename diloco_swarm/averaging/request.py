@@ -13,7 +13,7 @@ import math
 import numbers
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -104,6 +104,21 @@ class RoundRequest:
         and the round's settings (``docs/protocol.md``; read back by ``matchmaking.round_settings``)."""
         return {**self.metadata, "weight": float(self.weight), "online_peers": self.online_peers,
                 "group_bits": self.group_bits, "group_size": self.group_size, "group_cap": self.group_cap}
+
+
+def gathered_weights(gathered: Sequence[bytes], loads: Callable[[bytes], Any]) -> list[float | None]:
+    """Each member's ``weight`` (:meth:`RoundRequest.gather`) from hivemind's gathered bytes, in the group's
+    order (``loads``: the averager's serializer); None where unreadable or not a finite number (untrusted)."""
+    weights: list[float | None] = []
+    for g in gathered:
+        try:
+            meta = loads(loads(g)[2])
+        except Exception:  # malformed gathered data: hivemind's own parsing refuses the group
+            meta = None
+        weight = meta.get("weight") if isinstance(meta, dict) else None
+        ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight)
+        weights.append(float(weight) if ok else None)
+    return weights
 
 
 def _number(request: RoundRequest, name: str) -> float:

@@ -13,11 +13,29 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from diloco_swarm.averaging.robust import capped_weights
 from diloco_swarm.dht.lineages import MAX_THETA_MARKS
 from diloco_swarm.dht.ledger import keep_records
 from diloco_swarm.dht.records import MAX_PARTNERS
 
 MAX_EVAL_POINTS = 512  # of the held-out loss curve kept in the checkpoint (its first and newest always among them)
+
+
+def counted_tokens(group: list[str], gathered: dict[str, Any]) -> dict[str, int]:
+    """Peer id -> the tokens a verified round counted for it: the ``weight`` it gathered (untrusted; 0 where not
+    a positive finite number), capped as the reducers cap it (``robust.capped_weights``: at most ``WEIGHT_CAP`` ×
+    the median of the group's positive weights), so a claim of more buys no more of the ledger than of the average."""
+    claimed = []
+    for peer in group:
+        meta = gathered.get(peer)
+        weight = meta.get("weight") if isinstance(meta, dict) else None
+        ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight) and weight > 0
+        claimed.append(float(weight) if ok else 0.0)
+    positive = [w for w in claimed if w > 0]
+    cap = float(capped_weights(torch.tensor(positive, dtype=torch.float64)).max()) if positive else 0.0
+    return {peer: int(min(w, cap)) for peer, w in zip(group, claimed)}
 
 
 @dataclass
@@ -97,17 +115,17 @@ class NodeStats:
 
     def count_partners(self, group: list[str], gathered: dict[str, Any], me: str) -> None:
         """One verified round with ``group`` (peer ids, us included); ``gathered``: peer id -> the metadata
-        it gathered to the group, whose ``weight`` is the tokens behind its Δ."""
+        it gathered to the group, whose ``weight`` is the tokens behind its Δ, counted as the group's reducers
+        weigh it: at most ``robust.WEIGHT_CAP`` × the group's median (:func:`counted_tokens`)."""
         self.verified_rounds += 1
+        counted = counted_tokens(group, gathered)
         partners = OrderedDict(self.rounds_with)  # a new dict: the publisher thread may be reading the old one
         others = [p for p in group if p != me]
         # a group larger than a record lists: a stable choice of our own, so each peer goes on being witnessed
         # by most others (hivemind shuffles the group's order: the oldest-out rule would drop anyone's history)
         listed = set(sorted(others, key=lambda p: hashlib.sha256(f"{me} {p}".encode()).digest())[:MAX_PARTNERS])
         for peer in group:
-            meta = gathered.get(peer)
-            weight = meta.get("weight") if isinstance(meta, dict) else None
-            tokens = int(weight) if isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0 else 0
+            tokens = counted[peer]
             if peer == me:
                 self.verified_tokens += tokens
                 continue
