@@ -10,6 +10,7 @@ claimed weight) must leave the result near the honest peers' mean, where the pla
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 
 import pytest
@@ -284,57 +285,71 @@ def _round_deltas(n: int, hostile: int) -> list[list[torch.Tensor]]:
     return [d if i < n - hostile else [-8.0 * t for t in d] for i, d in enumerate(deltas)]
 
 
+@contextlib.contextmanager
+def _averagers(kinds: list, prefix: str):
+    """One real averager of each class in ``kinds`` (each on its own DHT, on 127.0.0.1), shut down at the end."""
+    from diloco_swarm.dht.swarm import start_dht, visible_maddrs
+
+    dhts = [start_dht(initial_peers=[], host="127.0.0.1", port=0)]
+    dhts += [start_dht(initial_peers=visible_maddrs(dhts[0]), host="127.0.0.1", port=0) for _ in kinds[1:]]
+    averagers = [kind([torch.zeros(s) for s in ROUND_SHAPES], dht, prefix=prefix, target_group_size=len(kinds),
+                      matchmaking_time=3.0, allreduce_timeout=30.0, part_size_bytes=PART_BYTES)
+                 for kind, dht in zip(kinds, dhts)]
+    try:
+        yield averagers
+    finally:
+        for part in (*averagers, *dhts[::-1]):
+            part.shutdown()
+
+
+def _one_round(averagers, deltas) -> list[tuple]:
+    """Every averager averages its Δ at once (weight 100): each one's (RoundResult, applied tensors)."""
+    import threading
+
+    from diloco_swarm.averaging.request import RoundRequest
+
+    n, results = len(averagers), [None] * len(averagers)
+
+    def run(i):
+        result, applied = averagers[i].average(RoundRequest(
+            delta=deltas[i], weight=100.0, metadata={}, timeout=30.0, digest_wait=10.0, group_size=n))
+        results[i] = (result, [a.clone() for a in applied])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120.0)
+    assert all(r is not None for r in results), "a round did not return within 120 s"
+    return results
+
+
 @pytest.mark.timeout(300)
 def test_four_averagers_keep_one_hostile_delta_out_agree_bit_for_bit_and_name_it():
     """3 honest averagers and one that sends −8 × its Δ (inside the 10× size bound): every member keeps
     the same verified average, the honest members' mean within int8 error (the plain mean is far), and
     the honest members name the hostile one."""
-    import threading
-
     from diloco_swarm.averaging.averager import PseudoGradientAverager
-    from diloco_swarm.averaging.request import RoundRequest
-    from diloco_swarm.dht.swarm import start_dht, visible_maddrs
 
     n = 4
-    dhts = [start_dht(initial_peers=[], host="127.0.0.1", port=0)]
-    dhts += [start_dht(initial_peers=visible_maddrs(dhts[0]), host="127.0.0.1", port=0) for _ in range(n - 1)]
-    averagers = [PseudoGradientAverager([torch.zeros(s) for s in ROUND_SHAPES], dht, prefix="robust-round",
-                                        target_group_size=n, matchmaking_time=3.0, allreduce_timeout=30.0,
-                                        part_size_bytes=PART_BYTES)
-                 for dht in dhts]
     deltas = _round_deltas(n, hostile=1)
-    try:
+    with _averagers([PseudoGradientAverager] * n, "robust-round") as averagers:
         for _ in range(2):  # a second try only after the rare partial round, which is not what this checks
-            results: list = [None] * n
-
-            def run(i):
-                result, applied = averagers[i].average(RoundRequest(
-                    delta=deltas[i], weight=100.0, metadata={}, timeout=30.0, digest_wait=10.0, group_size=n))
-                results[i] = (result, [a.clone() for a in applied])
-
-            threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout=120.0)
-            assert all(r is not None for r in results), "a round did not return within 120 s"
+            results = _one_round(averagers, deltas)
             if all(r.ok for r, _ in results):
                 break
         assert all(r.ok and r.group_size == n for r, _ in results), [(r.ok, r.reason) for r, _ in results]
         assert len({r.digest for r, _ in results}) == 1
         hostile_id = averagers[-1].peer_id.to_base58()
-        for result, _ in results[:-1]:
-            assert set(result.outlier_peers) == {hostile_id}, result.outlier_peers
-            assert result.avoided_peers == {}  # one outlier round is not enough to avoid it (conduct.py)
-        flat = [torch.cat([t.reshape(-1) for t in d]) for d in deltas]
-        honest_mean, plain = torch.stack(flat[:-1]).mean(0), torch.stack(flat).mean(0)
-        got = torch.cat([t.reshape(-1) for t in results[0][1]])
-        # parts travel in int8 twice (to the reducer, then its average back): within 2 codec errors
-        assert float((got - honest_mean).abs().max()) <= 2 * int8_error(torch.stack(flat[:-1]).abs().max(0).values)
-        assert relative_error(plain, honest_mean) > 1.0
-    finally:
-        for part in (*averagers, *dhts[::-1]):
-            part.shutdown()
+    for result, _ in results[:-1]:
+        assert set(result.outlier_peers) == {hostile_id}, result.outlier_peers
+        assert result.avoided_peers == {}  # one outlier round is not enough to avoid it (conduct.py)
+    flat = [torch.cat([t.reshape(-1) for t in d]) for d in deltas]
+    honest_mean, plain = torch.stack(flat[:-1]).mean(0), torch.stack(flat).mean(0)
+    got = torch.cat([t.reshape(-1) for t in results[0][1]])
+    # parts travel in int8 twice (to the reducer, then its average back): within 2 codec errors
+    assert float((got - honest_mean).abs().max()) <= 2 * int8_error(torch.stack(flat[:-1]).abs().max(0).values)
+    assert relative_error(plain, honest_mean) > 1.0
 
 
 def _weight_liar():
@@ -356,41 +371,17 @@ def test_a_sender_whose_parts_carry_another_weight_than_it_gathered_is_refused_a
     """A member's parts must carry the weight it gathered to the group (what the contribution ledger counts):
     3 honest averagers refuse the parts of one that gathers 100 tokens and sends its parts at 400, and name it;
     nobody keeps that round (each holds its Δ, as after any refused part)."""
-    import threading
-
     from diloco_swarm.averaging.averager import PseudoGradientAverager
-    from diloco_swarm.averaging.request import RoundRequest
-    from diloco_swarm.dht.swarm import start_dht, visible_maddrs
 
     n = 4
-    dhts = [start_dht(initial_peers=[], host="127.0.0.1", port=0)]
-    dhts += [start_dht(initial_peers=visible_maddrs(dhts[0]), host="127.0.0.1", port=0) for _ in range(n - 1)]
-    kinds = [PseudoGradientAverager] * (n - 1) + [_weight_liar()]
-    averagers = [kind([torch.zeros(s) for s in ROUND_SHAPES], dht, prefix="weight-liar", target_group_size=n,
-                      matchmaking_time=3.0, allreduce_timeout=30.0, part_size_bytes=PART_BYTES)
-                 for kind, dht in zip(kinds, dhts)]
     deltas = _round_deltas(n, hostile=0)
-    try:
+    with _averagers([PseudoGradientAverager] * (n - 1) + [_weight_liar()], "weight-liar") as averagers:
         for _ in range(3):  # another try only when matchmaking left a member out, which is not what this checks
-            results: list = [None] * n
-
-            def run(i):
-                results[i], _ = averagers[i].average(RoundRequest(
-                    delta=deltas[i], weight=100.0, metadata={}, timeout=30.0, digest_wait=10.0, group_size=n))
-
-            threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout=120.0)
-            assert all(r is not None for r in results), "a round did not return within 120 s"
+            results = [r for r, _ in _one_round(averagers, deltas)]
             if all(r.group_size == n for r in results):
                 break
         liar = averagers[-1].peer_id.to_base58()
-        named = [r.rejected_peers.get(liar, "") for r in results[:-1] if r.group_size == n]
-        assert named and all("sent parts at weight 400.0, not the 100.0 it gathered" in why for why in named), (
-            [(r.ok, r.reason, r.rejected_peers) for r in results])
-        assert not any(r.ok for r in results), "a member kept an average with the liar's parts in it"  # held, as for any refusal
-    finally:
-        for part in (*averagers, *dhts[::-1]):
-            part.shutdown()
+    named = [r.rejected_peers.get(liar, "") for r in results[:-1] if r.group_size == n]
+    assert named and all("sent parts at weight 400.0, not the 100.0 it gathered" in why for why in named), (
+        [(r.ok, r.reason, r.rejected_peers) for r in results])
+    assert not any(r.ok for r in results), "a member kept an average with the liar's parts in it"  # held, as after any refusal
