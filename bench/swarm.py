@@ -7,7 +7,8 @@ every round all peers pass a ``multiprocessing.Barrier`` and call ``average()`` 
 (``time.time()``, one clock on the host): ``total_s`` barrier → ``average()`` returned; ``matchmaking_s``
 barrier → the all-reduce began (the group formed); ``allreduce_s`` inside ``_aggregate_with_group``;
 ``verify_s`` the rest. ``python -m bench.swarm < spec.json`` does the same in another process (inside a
-network namespace, say) and prints one JSON line.
+network namespace, say) and prints one JSON line. With ``placements`` (``[[namespace, address], ...]``, one per
+peer: tests/natlib.py's ``star_topology``) each forked peer enters its own namespace first, behind its own link.
 """
 
 from __future__ import annotations
@@ -101,19 +102,37 @@ def _deltas(shapes, seed: int, job: int, rank: int):
     return [torch.randn(tuple(s), generator=g).mul_(1e-3) for s in shapes]
 
 
-def _peer(rank: int, spec: dict[str, Any], addr_q, barrier, res_q) -> None:
-    import torch
+def _enter_netns(name: str) -> None:
+    """Move this (single-threaded, just forked) process into network namespace ``name`` (``ip netns``'s
+    /var/run/netns/NAME): the threads and processes it starts later (the DHT, the averager, the p2p daemon) are
+    born there. Python 3.11 has no ``os.setns``. :raises OSError: the kernel refused (not root)."""
+    import ctypes
 
-    torch.set_num_threads(1)
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name} failed")
+    finally:
+        os.close(fd)
+
+
+def _peer(rank: int, spec: dict[str, Any], addr_q, barrier, res_q) -> None:
     dht = None
     try:
+        host = spec.get("host", "127.0.0.1")
+        if spec.get("placements"):
+            namespace, host = spec["placements"][rank]
+            _enter_netns(namespace)
+        import torch
         from hivemind import DHT
 
         from diloco_swarm.averaging.request import RoundRequest
 
+        torch.set_num_threads(1)
         n, seed, bt = spec["n_peers"], spec.get("seed", 0), spec.get("barrier_timeout", 600.0)
         initial = [] if rank == 0 else addr_q.get(timeout=STARTUP_TIMEOUT_S)
-        dht = DHT(start=True, host_maddrs=[f"/ip4/{spec.get('host', '127.0.0.1')}/tcp/0"], initial_peers=initial)
+        dht = DHT(start=True, host_maddrs=[f"/ip4/{host}/tcp/0"], initial_peers=initial)
         if rank == 0:
             for _ in range(n - 1):
                 addr_q.put([str(a) for a in dht.get_visible_maddrs()])

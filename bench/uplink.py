@@ -8,11 +8,16 @@ each node's first round, the bytes each node sent per round, tokens per wall sec
 time spent in inner steps over the steady window (``bench.nodes``). Overlapped rounds hide a round up to a phase;
 past that the next hand-off waits, which the tokens per second show. Without ``ip netns`` the nodes run on
 127.0.0.1 with no limit, and the report says so.
+
+Then the same links carry pseudo-gradients shaped like a larger model's (``shapes``: ``base``, ~100M parameters, where
+a node would not fit this machine four times): one averager per namespace (:mod:`bench.swarm`, no training, a
+random Δ per peer that the sparse codecs select from), ``shape_rounds`` rounds per codec, one codec after the other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -22,15 +27,18 @@ from bench.nodes import NodeSpec, run_nodes, scratch, steady_window, window_figu
 
 SIZES = {
     "smoke": {"peers": 2, "model": "tiny", "H": 2, "seq_len": 32, "batch": 2, "outer_steps": 3, "up": "20mbit",
-              "down": "100mbit", "modes": ["int8", "sparse1-int8"], "max_bytes": 200_000, "timeout": 300},
+              "down": "100mbit", "modes": ["int8", "sparse1-int8"], "max_bytes": 200_000, "timeout": 300,
+              "shapes": "tiny", "shape_rounds": 1},
     "quick": {"peers": 3, "model": "tiny", "H": 5, "seq_len": 64, "batch": 4, "outer_steps": 4, "up": "20mbit",
-              "down": "100mbit", "modes": ["int8", "sparse1-int8"], "max_bytes": 1_000_000, "timeout": 600},
+              "down": "100mbit", "modes": ["int8", "sparse1-int8"], "max_bytes": 1_000_000, "timeout": 600,
+              "shapes": "small", "shape_rounds": 2},
     "full": {"peers": 4, "model": "small", "H": 5, "seq_len": 64, "batch": 4, "outer_steps": 6, "up": "20mbit",
              "down": "100mbit", "modes": ["int8", "sparse1-int8", "sparse2-int8"], "max_bytes": 4_000_000,
-             "timeout": 1500},
+             "timeout": 1500, "shapes": "base", "shape_rounds": 2},
 }
 MATCHMAKING_S = 2.0
 AVERAGING_WINDOW_S = 120.0  # an int8 round of `small` at 20 Mbit/s takes seconds: room for it
+SHAPED_ROUND_S = 600.0  # an int8 round of `base`'s 100M values at 20 Mbit/s up takes about a minute
 
 
 @contextlib.contextmanager
@@ -72,7 +80,27 @@ def run(size: str) -> dict[str, Any]:
                               "bytes_received": [e.get("bytes_received") for e in steps]})
         runs.append({"compression": mode, "peers": peers})
     return {"config": cfg, "netns": ok, "netns_reason": why, "matchmaking_time": MATCHMAKING_S,
-            "params": num_parameters(build_model(cfg["model"], seed=0)), "runs": runs}
+            "params": num_parameters(build_model(cfg["model"], seed=0)), "runs": runs, "shaped": _shaped(cfg, ok)}
+
+
+def _shaped(cfg: dict[str, Any], ok: bool) -> dict[str, Any]:
+    """Averagers alone behind the same links, Δs shaped like ``cfg["shapes"]``: :mod:`bench.swarm`'s records."""
+    import torch
+
+    from bench.swarm import run_swarm
+    from diloco_swarm.models import build_model
+
+    with torch.device("meta"):  # the shapes only: no 400 MB of weights for `base`
+        shapes = [list(t.shape) for t in build_model(cfg["shapes"], seed=0).parameters()]
+    jobs = [{"compression": mode, "shapes": shapes, "rounds": cfg["shape_rounds"]} for mode in cfg["modes"]]
+    spec = {"n_peers": cfg["peers"], "jobs": jobs, "prefix": f"uplink-shaped-{int(time.time())}",
+            "matchmaking_time": MATCHMAKING_S, "round_timeout": SHAPED_ROUND_S, "allreduce_timeout": SHAPED_ROUND_S,
+            "next_chunk_timeout": SHAPED_ROUND_S / 2}
+    with _placements(cfg, ok) as placements:
+        if ok:
+            spec["placements"] = [[wrap[-1], host] for wrap, host in placements]
+        records = run_swarm(spec, timeout=len(jobs) * cfg["shape_rounds"] * 2 * SHAPED_ROUND_S)
+    return {"preset": cfg["shapes"], "params": sum(math.prod(s) for s in shapes), "records": records}
 
 
 def _round_s(run: dict[str, Any], key: str = "allreduce_s") -> float | None:
@@ -104,7 +132,32 @@ def render(result: dict[str, Any], docs_dir: Path) -> str:
         "run after the other with the same flags but `--compression`.\n",
         md_table(["codec", "verified rounds", "sent per node per round", "up B/param", "all-reduce s (median)",
                   "int8 all-reduce ÷ this", "round s with matchmaking (median)", "tokens/s per node (steady)", "÷ int8", "utilization (steady)", "exit codes"],
-                 rows)])
+                 rows),
+        *_render_shaped(result)])
+
+
+def _render_shaped(result: dict[str, Any]) -> list[str]:
+    shaped = result.get("shaped")
+    if not shaped:
+        return []
+    cfg, params, rows = result["config"], shaped["params"], []
+    by_mode = {mode: [r for r in shaped["records"] if r["job"] == j] for j, mode in enumerate(cfg["modes"])}
+
+    def allreduce_s(mode):
+        return median(r["allreduce_s"] for r in by_mode[mode] if r["ok"] and r["allreduce_s"])
+
+    for mode, recs in by_mode.items():
+        ok = [r for r in recs if r["ok"]]
+        sent = mean(r["bytes_sent"] for r in ok)
+        rows.append([mode, f"{len({r['round'] for r in ok if all(x['ok'] for x in recs if x['round'] == r['round'])})}"
+                           f"/{len({r['round'] for r in recs})}",
+                     human_bytes(sent or 0), f((sent or 0) / params, ".4f"), f(allreduce_s(mode), ".1f"),
+                     f(ratio(allreduce_s("int8"), allreduce_s(mode)), ".1f", "×"),
+                     f(median(r["total_s"] for r in ok), ".1f")])
+    return ["", f"Averagers alone behind the same links, {cfg['peers']} of them, a random Δ shaped like `{shaped['preset']}` "
+            f"({params:,} values) per peer, {cfg['shape_rounds']} round{'s' if cfg['shape_rounds'] != 1 else ''} per codec:\n",
+            md_table(["codec", "verified rounds", "sent per peer per round", "up B/param", "all-reduce s (median)",
+                      "int8 all-reduce ÷ this", "round s with matchmaking (median)"], rows)]
 
 
 if __name__ == "__main__":
