@@ -238,7 +238,7 @@ def test_a_finisher_that_said_it_waits_for_a_peer_behind_says_when_the_wait_ends
     p.log = lines.append
     p.end_on_one_model()
     assert lines[0].startswith("1 peer is still behind (outer step 9)")
-    assert lines[1:] == ["every peer still in the run holds this final state: leaving"]
+    assert lines[1:] == ["no peer left to wait for: leaving"]
 
     p, _, _ = _finisher(monkeypatch, [{"a": (9, "W")}], first_choice=[])  # it never catches up
     lines.clear()

@@ -316,7 +316,7 @@ class StateSync:
                     continue
             if not behind and not others:
                 if said:  # the line above said we wait: say the wait is over, or the summary reads as a contradiction
-                    self.log("every peer still in the run holds this final state: leaving")
+                    self.log("no peer left to wait for: leaving")
                 return
             # a silent peer is named once it answered: one that just left (its goodbye unseen) never does
             if not said and (others or any(p in records or p not in unanswered for p in behind)):
