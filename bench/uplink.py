@@ -154,7 +154,8 @@ def _render_shaped(result: dict[str, Any]) -> list[str]:
                      human_bytes(sent or 0), f((sent or 0) / params, ".4f"), f(allreduce_s(mode), ".1f"),
                      f(ratio(allreduce_s("int8"), allreduce_s(mode)), ".1f", "×"),
                      f(median(r["total_s"] for r in ok), ".1f")])
-    return ["", f"Averagers alone behind the same links, {cfg['peers']} of them, a random Δ shaped like `{shaped['preset']}` "
+    where = "behind the same links" if result["netns"] else "on 127.0.0.1 with no link limit"
+    return ["", f"Averagers alone {where}, {cfg['peers']} of them, a random Δ shaped like `{shaped['preset']}` "
             f"({params:,} values) per peer, {cfg['shape_rounds']} round{'s' if cfg['shape_rounds'] != 1 else ''} per codec:\n",
             md_table(["codec", "verified rounds", "sent per peer per round", "up B/param", "all-reduce s (median)",
                       "int8 all-reduce ÷ this", "round s with matchmaking (median)"], rows)]

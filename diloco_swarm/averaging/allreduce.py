@@ -58,6 +58,9 @@ REFUSED_OUR_PART = "refused our part"  # a reducer's reason in RoundStats.failed
 RMS_FLOOR = 1e-3  # the smallest RMS our own Δ counts as in the size bounds (covers an all-zero local part)
 MAX_WEIGHT_SCALE = 64.0  # most an honest Δ's size bound grows for a sender that trained more tokens than us
 SIZE_REASON = "above the bound"  # in a refusal for Δ size: a judgement, so the sender is avoided for a while, not banned
+# in a refusal for a part's weight that differs from the sender's gathered one: not proof either (the gathered list is
+# the leader's copy, which a hostile leader could alter to frame a member), so the sender is avoided a while, not banned
+WEIGHT_REASON = "not the weight it gathered"
 GONE_REASON = "gone: its averager did not answer a call"  # a member found dead mid-round (never banned: it may restart)
 MEMBER_WATCH_AFTER_S = 1.0  # an all-reduce still waiting for a member after this long asks whether it is there ...
 MEMBER_WATCH_EVERY_S = 1.0  # ... and again this often
@@ -385,7 +388,7 @@ class ConsensusAllReduceRunner(AllReduceRunner):
         if not (math.isfinite(weight) and 0.0 <= weight <= MAX_SENDER_WEIGHT):
             return f"sent an invalid weight {weight!r}"
         if sender in self._gathered_weights and weight != self._gathered_weights[sender]:
-            return f"sent parts at weight {weight!r}, not the {self._gathered_weights[sender]!r} it gathered"
+            return f"sent parts at weight {weight!r}, {WEIGHT_REASON} ({self._gathered_weights[sender]!r})"
         if part_index >= len(self.parts_for_local_averaging):
             return "sent more parts than expected"
         if tensor_part.shape != self.parts_for_local_averaging[part_index].shape:

@@ -16,7 +16,7 @@ from typing import Callable
 
 from hivemind.utils import get_logger
 
-from diloco_swarm.averaging.allreduce import REFUSED_OUR_PART, SIZE_REASON, RoundStats
+from diloco_swarm.averaging.allreduce import REFUSED_OUR_PART, SIZE_REASON, WEIGHT_REASON, RoundStats
 
 logger = get_logger(__name__)
 
@@ -47,6 +47,8 @@ class PeerConduct:
         for peer, reason in stats.rejected_senders.items():
             if SIZE_REASON in reason:  # a judgement on an unusual Δ, not proof: avoid it a while
                 self.avoid(peer, AVOID_REFUSER_S, f"its Δ was too large ({reason})")
+            elif WEIGHT_REASON in reason:  # the leader's gathered list may be the liar: avoid it a while
+                self.avoid(peer, AVOID_REFUSER_S, f"its parts' weight was not the one gathered ({reason})")
             elif "too slow" not in reason and "did not send all parts" not in reason:
                 self.banned[peer] = f"it broke the protocol ({reason})"  # never lead it again
         for peer, reason in stats.failed_reducers.items():

@@ -6,7 +6,8 @@ it imports neither hivemind nor torch.
 
 Every figure in a record is its peer's own word. Two of them are backed by others: in each verified
 round (averaging/results.py ``RoundResult.ok``) every member sees the group's peer ids and the weight
-(tokens) each member gathered to the group, and counts them in its record's ``rounds_with`` (its
+(tokens) each member gathered to the group, which its parts must carry, and counts them, capped as the
+reducers cap them (node/stats.py ``counted_tokens``), in its record's ``rounds_with`` (its
 :data:`~diloco_swarm.dht.records.MAX_PARTNERS` most recent partners). A peer's **confirmed** rounds
 (and tokens) are the largest count that another peer's record holds for it: a lower bound, exact
 when the same partners saw all its rounds. A claim is **self-reported** when it exceeds the sum of

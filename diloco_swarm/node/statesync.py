@@ -254,6 +254,8 @@ class StateSync:
             if entries is None:  # the DHT did not answer: for long, nobody can find us either
                 unread_since = time.monotonic() if unread_since is None else unread_since
                 if time.monotonic() - unread_since >= LINGER_GONE_AFTER_S:
+                    if said:
+                        self.log("the DHT has not answered for a while: leaving")
                     return
                 self.stop.event.wait(LINGER_POLL_S)
                 continue

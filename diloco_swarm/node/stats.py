@@ -115,8 +115,8 @@ class NodeStats:
 
     def count_partners(self, group: list[str], gathered: dict[str, Any], me: str) -> None:
         """One verified round with ``group`` (peer ids, us included); ``gathered``: peer id -> the metadata
-        it gathered to the group, whose ``weight`` is the tokens behind its Δ, counted as the group's reducers
-        weigh it: at most ``robust.WEIGHT_CAP`` × the group's median (:func:`counted_tokens`)."""
+        it gathered to the group, whose ``weight`` is the tokens behind its Δ, capped as the group's reducers
+        cap it: at most ``robust.WEIGHT_CAP`` × the group's median (:func:`counted_tokens`)."""
         self.verified_rounds += 1
         counted = counted_tokens(group, gathered)
         partners = OrderedDict(self.rounds_with)  # a new dict: the publisher thread may be reading the old one
