@@ -4,12 +4,15 @@ without whole nodes."""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+import threading
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
 from diloco_swarm.averaging.averager import PseudoGradientAverager
 from diloco_swarm.dht.swarm import start_dht, visible_maddrs
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -34,3 +37,16 @@ def averagers(prefix: str, target_group_size: int, clients: tuple[bool, ...], sh
                 averager.shutdown()
         for dht in reversed(dhts):
             dht.shutdown()
+
+
+def in_threads(fn: Callable[[int], T], n: int, timeout: float = 120.0) -> list[T]:
+    """``fn(0)``, ..., ``fn(n - 1)`` at once, each in a thread of its own (the members of one round), and their
+    results in that order; fails the test when one has not returned after ``timeout`` s (``fn`` never returns None)."""
+    out: list = [None] * n
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, fn(i))) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert all(o is not None for o in out), f"a call did not return within {timeout:g} s"
+    return out

@@ -3,8 +3,6 @@ hold different θ_global leave it holding one, bit for bit, without a state down
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -139,17 +137,6 @@ def averagers():
         part.shutdown()
 
 
-def _in_threads(fn, n: int) -> list:
-    out = [None] * n
-    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, fn(i))) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert all(o is not None for o in out), "a call did not return within 120 s"
-    return out
-
-
 def _tensors(scale: float, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [scale * torch.randn(s, generator=g) for s in SHAPES]
@@ -160,12 +147,14 @@ def test_a_group_mixes_to_one_bit_identical_state_and_a_wrong_weight_is_refused(
     """Three members: A and B hold different θ_global at the round's step, C is a step behind. After
     the verified Δ round they plan the same mix from the gathered metadata; all three end with the same
     bytes, the weight-1 members' mean within the int8 error, C included (it catches up)."""
+    from averagerlib import in_threads
+
     from diloco_swarm.averaging.request import RoundRequest
 
     ids = [a.peer_id.to_base58() for a in averagers]
     metas = [meta(5, D["a"], (4, D["c"])), meta(5, D["b"], (4, D["c"])), meta(4, D["c"])]
     for attempt in range(2):  # a second try only after the rare partial round, which is not what this checks
-        rounds = _in_threads(lambda i: averagers[i].average(RoundRequest(
+        rounds = in_threads(lambda i: averagers[i].average(RoundRequest(
             delta=_tensors(1e-2, i), weight=100.0, metadata=metas[i], timeout=30.0, digest_wait=10.0)), 3)
         if all(r.ok for r, _ in rounds):
             break
@@ -174,9 +163,9 @@ def test_a_group_mixes_to_one_bit_identical_state_and_a_wrong_weight_is_refused(
     assert all(p == plans[0] for p in plans) and plans[0].reference == (4, D["c"])
     assert plans[0].weights == {ids[0]: 1.0, ids[1]: 1.0, ids[2]: 0.0}
     contributions = [_tensors(5e-2, 10 + i) + _tensors(1e-2, 20 + i) for i in range(3)]  # θ differences, momentum
-    mixes = _in_threads(lambda i: averagers[i].mix(contributions[i], round_result=rounds[i][0],
-                                                   weight=plans[0].weights[ids[i]],
-                                                   planned_weights=plans[0].weights, digest_wait=10.0), 3)
+    mixes = in_threads(lambda i: averagers[i].mix(contributions[i], round_result=rounds[i][0],
+                                                  weight=plans[0].weights[ids[i]],
+                                                  planned_weights=plans[0].weights, digest_wait=10.0), 3)
     assert all(m.ok for m, _ in mixes), [(m.ok, m.reason) for m, _ in mixes]
     assert len({m.digest for m, _ in mixes}) == 1 and all(m.bytes_sent > 0 for m, _ in mixes)
     assert all(torch.equal(a, b) for _, t in mixes[1:] for a, b in zip(t, mixes[0][1]))  # bit-identical
@@ -185,12 +174,12 @@ def test_a_group_mixes_to_one_bit_identical_state_and_a_wrong_weight_is_refused(
         assert float((mixed - want).norm() / want.norm()) < 0.02  # int8 twice: each part, then the average
 
     # C claims weight 1 although the plan gives it 0: its reducers refuse it, and no member keeps the mix
-    rounds = _in_threads(lambda i: averagers[i].average(RoundRequest(
+    rounds = in_threads(lambda i: averagers[i].average(RoundRequest(
         delta=_tensors(1e-2, i), weight=100.0, metadata=metas[i], timeout=30.0, digest_wait=10.0)), 3)
     assert all(r.ok for r, _ in rounds), [(r.ok, r.reason) for r, _ in rounds]
     claimed = [plans[0].weights[ids[0]], plans[0].weights[ids[1]], 1.0]
-    mixes = _in_threads(lambda i: averagers[i].mix(contributions[i], round_result=rounds[i][0], weight=claimed[i],
-                                                   planned_weights=plans[0].weights, digest_wait=10.0), 3)
+    mixes = in_threads(lambda i: averagers[i].mix(contributions[i], round_result=rounds[i][0], weight=claimed[i],
+                                                  planned_weights=plans[0].weights, digest_wait=10.0), 3)
     assert not any(m.ok for m, _ in mixes), [(m.ok, m.reason) for m, _ in mixes]
     refusals = [why for m, _ in mixes for why in m.rejected_peers.values()]
     assert any("the round's plan gives it 0.0" in why for why in refusals), refusals

@@ -304,24 +304,18 @@ def _averagers(kinds: list, prefix: str):
 
 def _one_round(averagers, deltas) -> list[tuple]:
     """Every averager averages its Δ at once (weight 100): each one's (RoundResult, applied tensors)."""
-    import threading
+    from averagerlib import in_threads
 
     from diloco_swarm.averaging.request import RoundRequest
 
-    n, results = len(averagers), [None] * len(averagers)
+    n = len(averagers)
 
     def run(i):
         result, applied = averagers[i].average(RoundRequest(
             delta=deltas[i], weight=100.0, metadata={}, timeout=30.0, digest_wait=10.0, group_size=n))
-        results[i] = (result, [a.clone() for a in applied])
+        return result, [a.clone() for a in applied]
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120.0)
-    assert all(r is not None for r in results), "a round did not return within 120 s"
-    return results
+    return in_threads(run, n)
 
 
 @pytest.mark.timeout(300)

@@ -51,7 +51,7 @@ from diloco_swarm.averaging.grouping import grid_group_quorum, group_problem, ma
 from diloco_swarm.averaging.matchmaking import LateMembers, await_group, configure_round, lower_target, round_settings
 from diloco_swarm.averaging.mixing_round import ThetaMixing
 from diloco_swarm.averaging.reachability import Responder, refusal, shown_admission
-from diloco_swarm.averaging.request import RoundRequest, gathered_weights
+from diloco_swarm.averaging.request import RoundRequest, gathered_entries, gathered_weights
 from diloco_swarm.averaging.results import RoundResult, short_reason
 from diloco_swarm.averaging.state_sharing import StateProvider, StateSharing
 from diloco_swarm.dht.calls import ChildUnavailable
@@ -305,17 +305,16 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
         """A group's all-reduce sized to its members' caps (``bandwidth.sized_to_caps``): the runner's
         ``kwargs`` and the seconds the whole all-reduce may take, within :attr:`allreduce_ceiling_s`."""
         timeouts = (self._configured_allreduce_s, self._allreduce_timeout_s)
-        return sized_to_caps(kwargs, gathered_caps(group_info.gathered, self.serializer.loads), timeouts,
-                             self._round_bytes)
+        return sized_to_caps(kwargs, gathered_caps(gathered_entries(group_info.gathered, self.serializer.loads)),
+                             timeouts, self._round_bytes)
 
     def _group_problem(self, group_info) -> str | None:
         """Why this group must not run its round (``grouping.group_problem`` of the members' gathered
         metadata), or None. Every member reads the same gathered bytes, so all judge alike."""
-        try:
-            metas = [self.serializer.loads(self.serializer.loads(g)[2]) for g in group_info.gathered]
-        except Exception:
+        entries = gathered_entries(group_info.gathered, self.serializer.loads)
+        if any(entry is None for entry in entries):
             return None  # hivemind's own parse of the same bytes fails the round just after
-        return group_problem([m if isinstance(m, dict) else {} for m in metas], self._default_target_group_size)
+        return group_problem([entry.meta for entry in entries], self._default_target_group_size)
 
     async def _step(self, *, step, future_for_init):
         """hivemind's step, with the round's group key, target size and quorum from what ``average()``

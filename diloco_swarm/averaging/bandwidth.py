@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence, TypeVar
+from typing import Any, AsyncIterator, Iterable, Optional, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -170,19 +170,16 @@ def longest_timeout(configured_s: float, round_bytes: int) -> float:
     return group_timeout(configured_s, round_bytes, [MIN_CAP_MBPS])
 
 
-def gathered_caps(gathered: Sequence[bytes], loads: Callable[[bytes], Any]) -> tuple[list, list]:
+def gathered_caps(entries: Sequence[Any]) -> tuple[list, list]:
     """(the bandwidths the members advertised in matchmaking, the download caps they stated:
-    :data:`RECEIVE_CAP_KEY`), in the group's order, from hivemind's gathered bytes (``loads``: the
-    averager's serializer); untrusted, anything (None where unreadable)."""
+    :data:`RECEIVE_CAP_KEY`), in the group's order, from their decoded gathered entries
+    (``request.gathered_entries``); untrusted, anything (None where unreadable, or where an entry holds
+    other than hivemind's three fields)."""
     bandwidths, receive_caps = [], []
-    for g in gathered:
-        try:
-            bandwidth, _, meta = loads(g)
-            meta = loads(meta)
-        except Exception:  # malformed gathered data: hivemind's own parsing refuses the group
-            bandwidth, meta = None, None
-        bandwidths.append(bandwidth)
-        receive_caps.append(meta.get(RECEIVE_CAP_KEY) if isinstance(meta, dict) else None)
+    for entry in entries:
+        readable = entry is not None and len(entry.fields) == 3  # (bandwidth, mode, metadata), as hivemind sends it
+        bandwidths.append(entry.fields[0] if readable else None)
+        receive_caps.append(entry.meta.get(RECEIVE_CAP_KEY) if readable else None)
     return bandwidths, receive_caps
 
 

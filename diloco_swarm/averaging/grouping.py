@@ -158,6 +158,14 @@ def is_count(v: object, low: int = 0, high: int | None = None) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and low <= v and (high is None or v <= high)
 
 
+def gathered_weight(meta: object) -> float | None:
+    """The ``weight`` (tokens) in a member's untrusted gathered metadata ``meta`` (``request.RoundRequest.gather``):
+    a float where it is a finite int or float (not a bool), else None."""
+    weight = meta.get("weight") if isinstance(meta, dict) else None
+    ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight)
+    return float(weight) if ok else None
+
+
 def swarm_step(own_step: int, steps: Sequence[object]) -> int:
     """The swarm's outer step as a peer at ``own_step`` sees it: the upper median of the other peers'
     claimed ``steps`` (untrusted: values that are not ints ≥ 0 are ignored) and ours."""

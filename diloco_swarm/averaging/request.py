@@ -13,11 +13,12 @@ import math
 import numbers
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S
+from diloco_swarm.averaging.grouping import gathered_weight
 from diloco_swarm.averaging.results import GoneProbe
 
 
@@ -106,19 +107,35 @@ class RoundRequest:
                 "group_bits": self.group_bits, "group_size": self.group_size, "group_cap": self.group_cap}
 
 
-def gathered_weights(gathered: Sequence[bytes], loads: Callable[[bytes], Any]) -> list[float | None]:
-    """Each member's ``weight`` (:meth:`RoundRequest.gather`) from hivemind's gathered bytes, in the group's
-    order (``loads``: the averager's serializer); None where unreadable or not a finite number (untrusted)."""
-    weights: list[float | None] = []
+class GatheredEntry(NamedTuple):
+    """One member's entry in its group's gathered data, decoded (:func:`gathered_entries`); untrusted."""
+
+    fields: Sequence  # hivemind's (advertised bandwidth, averaging mode, metadata bytes); a modified peer may send more
+    meta: dict  # the metadata decoded (:meth:`RoundRequest.gather`); {} where it is not a dict
+
+
+def gathered_entries(gathered: Sequence[bytes], loads: Callable[[bytes], Any]) -> list[GatheredEntry | None]:
+    """Each member's entry from hivemind's gathered bytes, in the group's order (``loads``: the averager's
+    serializer): the one parse of them (weights, caps, the group's judgement); None where the entry or its
+    metadata (the entry's third field) does not decode. Every byte came from another peer: nothing is checked
+    but that it decodes."""
+    entries: list[GatheredEntry | None] = []
     for g in gathered:
         try:
-            meta = loads(loads(g)[2])
+            fields = loads(g)
+            meta = loads(fields[2])
         except Exception:  # malformed gathered data: hivemind's own parsing refuses the group
-            meta = None
-        weight = meta.get("weight") if isinstance(meta, dict) else None
-        ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight)
-        weights.append(float(weight) if ok else None)
-    return weights
+            entries.append(None)
+            continue
+        entries.append(GatheredEntry(fields, meta if isinstance(meta, dict) else {}))
+    return entries
+
+
+def gathered_weights(gathered: Sequence[bytes], loads: Callable[[bytes], Any]) -> list[float | None]:
+    """Each member's ``weight`` (:meth:`RoundRequest.gather`) from hivemind's gathered bytes, in the group's
+    order (``loads``: the averager's serializer); None where unreadable or not a finite number (untrusted:
+    ``grouping.gathered_weight``)."""
+    return [None if entry is None else gathered_weight(entry.meta) for entry in gathered_entries(gathered, loads)]
 
 
 def _number(request: RoundRequest, name: str) -> float:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from diloco_swarm.averaging.allreduce import RMS_FLOOR, RoundStats, allowed_scale, finite_norm
+from diloco_swarm.averaging.grouping import gathered_weight
 
 GoneProbe = Callable[[Sequence[str]], set]  # probe(peer ids) -> those of them it finds (gone, or moved on); never raises
 
@@ -109,12 +110,7 @@ def check_round(stats: RoundStats, local: Sequence[torch.Tensor], averaged: Sequ
 
 def _largest_weight(gathered: dict[str, Any]) -> float:
     """The largest ``weight`` a group member claimed in its gathered metadata (untrusted: 0 if none is valid)."""
-    largest = 0.0
-    for meta in gathered.values():
-        weight = meta.get("weight") if isinstance(meta, dict) else None
-        if isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight):
-            largest = max(largest, float(weight))
-    return largest
+    return max([0.0, *(w for w in map(gathered_weight, gathered.values()) if w is not None)])
 
 
 def short_reason(e: BaseException) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from diloco_swarm.averaging.grouping import gathered_weight
 from diloco_swarm.averaging.robust import capped_weights
 from diloco_swarm.dht.lineages import MAX_THETA_MARKS
 from diloco_swarm.dht.ledger import keep_records
@@ -29,10 +30,8 @@ def counted_tokens(group: list[str], gathered: dict[str, Any]) -> dict[str, int]
     the median of the group's positive weights), so a claim of more buys no more of the ledger than of the average."""
     claimed = []
     for peer in group:
-        meta = gathered.get(peer)
-        weight = meta.get("weight") if isinstance(meta, dict) else None
-        ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight) and weight > 0
-        claimed.append(float(weight) if ok else 0.0)
+        weight = gathered_weight(gathered.get(peer))
+        claimed.append(weight if weight is not None and weight > 0 else 0.0)
     positive = [w for w in claimed if w > 0]
     cap = float(capped_weights(torch.tensor(positive, dtype=torch.float64)).max()) if positive else 0.0
     return {peer: int(min(w, cap)) for peer, w in zip(group, claimed)}
