@@ -11,13 +11,15 @@ past that the next hand-off waits, which the tokens per second show. Without ``i
 
 Then the same links carry pseudo-gradients shaped like a larger model's (``shapes``: ``base``, ~100M parameters, where
 a node would not fit this machine four times): one averager per namespace (:mod:`bench.swarm`, no training, a
-random Δ per peer that the sparse codecs select from), ``shape_rounds`` rounds per codec, one codec after the other.
+random Δ per peer that the sparse codecs select from), ``shape_rounds`` rounds per codec, one codec after the other,
+once per group size of ``shape_peers``: 4 peers share this machine's 2 cores, 2 peers have one each.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -28,13 +30,13 @@ from bench.nodes import NodeSpec, run_nodes, scratch, steady_window, window_figu
 SIZES = {
     "smoke": {"peers": 2, "model": "tiny", "H": 2, "seq_len": 32, "batch": 2, "outer_steps": 3, "up": "20mbit",
               "down": "100mbit", "modes": ["int8", "sparse1-int8"], "max_bytes": 200_000, "timeout": 300,
-              "shapes": "tiny", "shape_rounds": 1},
+              "shapes": "tiny", "shape_rounds": 1, "shape_peers": [2]},
     "quick": {"peers": 3, "model": "tiny", "H": 5, "seq_len": 64, "batch": 4, "outer_steps": 4, "up": "20mbit",
               "down": "100mbit", "modes": ["int8", "sparse1-int8"], "max_bytes": 1_000_000, "timeout": 600,
-              "shapes": "small", "shape_rounds": 2},
+              "shapes": "small", "shape_rounds": 2, "shape_peers": [3]},
     "full": {"peers": 4, "model": "small", "H": 5, "seq_len": 64, "batch": 4, "outer_steps": 6, "up": "20mbit",
              "down": "100mbit", "modes": ["int8", "sparse1-int8", "sparse2-int8"], "max_bytes": 4_000_000,
-             "timeout": 1500, "shapes": "base", "shape_rounds": 2},
+             "timeout": 1500, "shapes": "base", "shape_rounds": 2, "shape_peers": [4, 2]},
 }
 MATCHMAKING_S = 2.0
 AVERAGING_WINDOW_S = 120.0  # an int8 round of `small` at 20 Mbit/s takes seconds: room for it
@@ -42,13 +44,14 @@ SHAPED_ROUND_S = 600.0  # an int8 round of `base`'s 100M values at 20 Mbit/s up 
 
 
 @contextlib.contextmanager
-def _placements(cfg, ok: bool):
+def _placements(cfg, ok: bool, n_peers: int | None = None):
     from tests.natlib import star_topology
 
+    n_peers = n_peers or cfg["peers"]
     if not ok:
-        yield [([], "127.0.0.1")] * cfg["peers"]
+        yield [([], "127.0.0.1")] * n_peers
         return
-    with star_topology(cfg["peers"], cfg["down"], subnet="10.124.0", up_rate=cfg["up"]) as peers:
+    with star_topology(n_peers, cfg["down"], subnet="10.124.0", up_rate=cfg["up"]) as peers:
         yield [(["ip", "netns", "exec", ns], addr) for ns, addr in peers]
 
 
@@ -84,7 +87,9 @@ def run(size: str) -> dict[str, Any]:
 
 
 def _shaped(cfg: dict[str, Any], ok: bool) -> dict[str, Any]:
-    """Averagers alone behind the same links, Δs shaped like ``cfg["shapes"]``: :mod:`bench.swarm`'s records."""
+    """Averagers alone behind the same links, Δs shaped like ``cfg["shapes"]``: :mod:`bench.swarm`'s records, once
+    per group size of ``cfg["shape_peers"]`` (this machine has 2 cores: 4 peers share them, 2 have one each, as
+    peers on their own machines would)."""
     import torch
 
     from bench.swarm import run_swarm
@@ -93,14 +98,17 @@ def _shaped(cfg: dict[str, Any], ok: bool) -> dict[str, Any]:
     with torch.device("meta"):  # the shapes only: no 400 MB of weights for `base`
         shapes = [list(t.shape) for t in build_model(cfg["shapes"], seed=0).parameters()]
     jobs = [{"compression": mode, "shapes": shapes, "rounds": cfg["shape_rounds"]} for mode in cfg["modes"]]
-    spec = {"n_peers": cfg["peers"], "jobs": jobs, "prefix": f"uplink-shaped-{int(time.time())}",
-            "matchmaking_time": MATCHMAKING_S, "round_timeout": SHAPED_ROUND_S, "allreduce_timeout": SHAPED_ROUND_S,
-            "next_chunk_timeout": SHAPED_ROUND_S / 2}
-    with _placements(cfg, ok) as placements:
-        if ok:
-            spec["placements"] = [[wrap[-1], host] for wrap, host in placements]
-        records = run_swarm(spec, timeout=len(jobs) * cfg["shape_rounds"] * 2 * SHAPED_ROUND_S)
-    return {"preset": cfg["shapes"], "params": sum(math.prod(s) for s in shapes), "records": records}
+    groups = []
+    for n in cfg["shape_peers"]:
+        spec = {"n_peers": n, "jobs": jobs, "prefix": f"uplink-shaped-{n}-{int(time.time())}",
+                "matchmaking_time": MATCHMAKING_S, "round_timeout": SHAPED_ROUND_S, "allreduce_timeout": SHAPED_ROUND_S,
+                "next_chunk_timeout": SHAPED_ROUND_S / 2}
+        with _placements(cfg, ok, n) as placements:
+            if ok:
+                spec["placements"] = [[wrap[-1], host] for wrap, host in placements]
+            records = run_swarm(spec, timeout=len(jobs) * cfg["shape_rounds"] * 2 * SHAPED_ROUND_S)
+        groups.append({"peers": n, "records": records})
+    return {"preset": cfg["shapes"], "params": sum(math.prod(s) for s in shapes), "groups": groups}
 
 
 def _round_s(run: dict[str, Any], key: str = "allreduce_s") -> float | None:
@@ -141,24 +149,28 @@ def _render_shaped(result: dict[str, Any]) -> list[str]:
     if not shaped:
         return []
     cfg, params, rows = result["config"], shaped["params"], []
-    by_mode = {mode: [r for r in shaped["records"] if r["job"] == j] for j, mode in enumerate(cfg["modes"])}
+    for group in shaped["groups"]:
+        by_mode = {mode: [r for r in group["records"] if r["job"] == j] for j, mode in enumerate(cfg["modes"])}
 
-    def allreduce_s(mode):
-        return median(r["allreduce_s"] for r in by_mode[mode] if r["ok"] and r["allreduce_s"])
+        def allreduce_s(mode):
+            return median(r["allreduce_s"] for r in by_mode[mode] if r["ok"] and r["allreduce_s"])
 
-    for mode, recs in by_mode.items():
-        ok = [r for r in recs if r["ok"]]
-        sent = mean(r["bytes_sent"] for r in ok)
-        rows.append([mode, f"{len({r['round'] for r in ok if all(x['ok'] for x in recs if x['round'] == r['round'])})}"
-                           f"/{len({r['round'] for r in recs})}",
-                     human_bytes(sent or 0), f((sent or 0) / params, ".4f"), f(allreduce_s(mode), ".1f"),
-                     f(ratio(allreduce_s("int8"), allreduce_s(mode)), ".1f", "×"),
-                     f(median(r["total_s"] for r in ok), ".1f")])
+        for mode, recs in by_mode.items():
+            ok = [r for r in recs if r["ok"]]
+            sent = mean(r["bytes_sent"] for r in ok)
+            rows.append([str(group["peers"]), mode,
+                         f"{len({r['round'] for r in ok if all(x['ok'] for x in recs if x['round'] == r['round'])})}"
+                         f"/{len({r['round'] for r in recs})}",
+                         human_bytes(sent or 0), f((sent or 0) / params, ".4f"), f(allreduce_s(mode), ".1f"),
+                         f(ratio(allreduce_s("int8"), allreduce_s(mode)), ".1f", "×"),
+                         f(median(r["total_s"] for r in ok), ".1f")])
     where = "behind the same links" if result["netns"] else "on 127.0.0.1 with no link limit"
-    return ["", f"Averagers alone {where}, {cfg['peers']} of them, a random Δ shaped like `{shaped['preset']}` "
-            f"({params:,} values) per peer, {cfg['shape_rounds']} round{'s' if cfg['shape_rounds'] != 1 else ''} per codec:\n",
-            md_table(["codec", "verified rounds", "sent per peer per round", "up B/param", "all-reduce s (median)",
-                      "int8 all-reduce ÷ this", "round s with matchmaking (median)"], rows)]
+    cores = os.cpu_count() or 1
+    return ["", f"Averagers alone {where}, a random Δ shaped like `{shaped['preset']}` ({params:,} values) per peer, "
+            f"{cfg['shape_rounds']} round{'s' if cfg['shape_rounds'] != 1 else ''} per codec; the peers share this "
+            f"machine's {cores} CPU cores:\n",
+            md_table(["peers", "codec", "verified rounds", "sent per peer per round", "up B/param",
+                      "all-reduce s (median)", "int8 all-reduce ÷ this", "round s with matchmaking (median)"], rows)]
 
 
 if __name__ == "__main__":
