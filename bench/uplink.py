@@ -12,14 +12,14 @@ past that the next hand-off waits, which the tokens per second show. Without ``i
 Then the same links carry pseudo-gradients shaped like a larger model's (``shapes``: ``base``, ~100M parameters, where
 a node would not fit this machine four times): one averager per namespace (:mod:`bench.swarm`, no training, a
 random Δ per peer that the sparse codecs select from), ``shape_rounds`` rounds per codec, one codec after the other,
-once per group size of ``shape_peers``: 4 peers share this machine's 2 cores, 2 peers have one each.
+once per group size of ``shape_peers`` (``full``: 4 peers, then 2: on a 2-core machine, the second is a core per
+peer by count, as peers on their own machines would have; nothing is pinned).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -88,8 +88,7 @@ def run(size: str) -> dict[str, Any]:
 
 def _shaped(cfg: dict[str, Any], ok: bool) -> dict[str, Any]:
     """Averagers alone behind the same links, Δs shaped like ``cfg["shapes"]``: :mod:`bench.swarm`'s records, once
-    per group size of ``cfg["shape_peers"]`` (this machine has 2 cores: 4 peers share them, 2 have one each, as
-    peers on their own machines would)."""
+    per group size of ``cfg["shape_peers"]``."""
     import torch
 
     from bench.swarm import run_swarm
@@ -149,7 +148,8 @@ def _render_shaped(result: dict[str, Any]) -> list[str]:
     if not shaped:
         return []
     cfg, params, rows = result["config"], shaped["params"], []
-    for group in shaped["groups"]:
+    # (a result from before `shape_peers` holds one group's records)
+    for group in shaped.get("groups") or [{"peers": cfg["peers"], "records": shaped["records"]}]:
         by_mode = {mode: [r for r in group["records"] if r["job"] == j] for j, mode in enumerate(cfg["modes"])}
 
         def allreduce_s(mode):
@@ -165,10 +165,10 @@ def _render_shaped(result: dict[str, Any]) -> list[str]:
                          f(ratio(allreduce_s("int8"), allreduce_s(mode)), ".1f", "×"),
                          f(median(r["total_s"] for r in ok), ".1f")])
     where = "behind the same links" if result["netns"] else "on 127.0.0.1 with no link limit"
-    cores = os.cpu_count() or 1
+    cores = result.get("provenance", {}).get("cpus_usable", "the")
     return ["", f"Averagers alone {where}, a random Δ shaped like `{shaped['preset']}` ({params:,} values) per peer, "
-            f"{cfg['shape_rounds']} round{'s' if cfg['shape_rounds'] != 1 else ''} per codec; the peers share this "
-            f"machine's {cores} CPU cores:\n",
+            f"{cfg['shape_rounds']} round{'s' if cfg['shape_rounds'] != 1 else ''} per codec; the peers (each with its "
+            f"own p2pd) share the {cores} CPU cores of the machine that ran it:\n",
             md_table(["peers", "codec", "verified rounds", "sent per peer per round", "up B/param",
                       "all-reduce s (median)", "int8 all-reduce ÷ this", "round s with matchmaking (median)"], rows)]
 
