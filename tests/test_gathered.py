@@ -23,7 +23,7 @@ def test_honest_entries_give_each_members_weight_and_caps_in_the_groups_order():
     gathered = [_entry({"weight": 512, RECEIVE_CAP_KEY: 40.0}), _entry({"weight": 256.5}, bandwidth=8.0)]
     entries = gathered_entries(gathered, loads)
     assert [e.meta["weight"] for e in entries] == [512, 256.5]
-    assert gathered_weights(gathered, loads) == [512.0, 256.5]
+    assert gathered_weights(entries) == [512.0, 256.5]
     assert gathered_caps(entries) == ([100.0, 8.0], [40.0, None])
 
 
@@ -32,7 +32,7 @@ def test_an_entry_that_does_not_decode_is_none_and_costs_only_its_own_member():
     gathered = [_entry({"weight": 3})] + bad
     entries = gathered_entries(gathered, loads)
     assert isinstance(entries[0], GatheredEntry) and entries[1:] == [None] * len(bad)
-    assert gathered_weights(gathered, loads) == [3.0] + [None] * len(bad)
+    assert gathered_weights(entries) == [3.0] + [None] * len(bad)
     bandwidths, caps = gathered_caps(entries)
     assert bandwidths == [100.0] + [None] * len(bad) and caps == [None] * len(gathered)
 

@@ -51,7 +51,7 @@ from diloco_swarm.averaging.grouping import grid_group_quorum, group_problem, ma
 from diloco_swarm.averaging.matchmaking import LateMembers, await_group, configure_round, lower_target, round_settings
 from diloco_swarm.averaging.mixing_round import ThetaMixing
 from diloco_swarm.averaging.reachability import Responder, refusal, shown_admission
-from diloco_swarm.averaging.request import RoundRequest, gathered_entries, gathered_weights
+from diloco_swarm.averaging.request import GatheredEntry, RoundRequest, gathered_entries, gathered_weights
 from diloco_swarm.averaging.results import RoundResult, short_reason
 from diloco_swarm.averaging.state_sharing import StateProvider, StateSharing
 from diloco_swarm.dht.calls import ChildUnavailable
@@ -269,7 +269,8 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
         stats.failed_values = runner.tensor_part_container.failed_size
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
-        problem = self._group_problem(group_info)
+        entries = gathered_entries(group_info.gathered, self.serializer.loads)  # the one parse of the members' bytes
+        problem = self._group_problem(entries)
         if problem is not None:  # every member reads the same gathered bytes: all refuse alike, before any part moves
             future = self._running_groups.get(group_info.group_id)
             if future is not None and not future.done():
@@ -279,8 +280,8 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
             raise AllreduceException(f"the group may not advance: {problem}")  # hivemind retries within the window
         self._remember_group(group_info)  # its θ-mixing all-reduce may follow
         try:
-            kwargs, timeout = self._sized_to_caps(group_info, kwargs)
-            kwargs["gathered_weights"] = gathered_weights(group_info.gathered, self.serializer.loads)
+            kwargs, timeout = self._sized_to_caps(entries, kwargs)
+            kwargs["gathered_weights"] = gathered_weights(entries)
             gathered = await asyncio.wait_for(super()._aggregate_with_group(group_info, min_vector_size, **kwargs),
                                               timeout)
             step = self._step_in_flight
@@ -301,17 +302,16 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
             self._conduct.judge(stats)
         return {"gathered": gathered, "stats": dataclasses.asdict(stats), "avoided": self._conduct.shunned_peers()}
 
-    def _sized_to_caps(self, group_info, kwargs: dict) -> tuple[dict, float]:
-        """A group's all-reduce sized to its members' caps (``bandwidth.sized_to_caps``): the runner's
-        ``kwargs`` and the seconds the whole all-reduce may take, within :attr:`allreduce_ceiling_s`."""
+    def _sized_to_caps(self, entries: Sequence[GatheredEntry | None], kwargs: dict) -> tuple[dict, float]:
+        """A group's all-reduce sized to its members' caps (``bandwidth.sized_to_caps`` of their gathered
+        ``entries``): the runner's ``kwargs`` and the seconds the whole all-reduce may take, within
+        :attr:`allreduce_ceiling_s`."""
         timeouts = (self._configured_allreduce_s, self._allreduce_timeout_s)
-        return sized_to_caps(kwargs, gathered_caps(gathered_entries(group_info.gathered, self.serializer.loads)),
-                             timeouts, self._round_bytes)
+        return sized_to_caps(kwargs, gathered_caps(entries), timeouts, self._round_bytes)
 
-    def _group_problem(self, group_info) -> str | None:
+    def _group_problem(self, entries: Sequence[GatheredEntry | None]) -> str | None:
         """Why this group must not run its round (``grouping.group_problem`` of the members' gathered
-        metadata), or None. Every member reads the same gathered bytes, so all judge alike."""
-        entries = gathered_entries(group_info.gathered, self.serializer.loads)
+        metadata, ``entries``), or None. Every member reads the same gathered bytes, so all judge alike."""
         if any(entry is None for entry in entries):
             return None  # hivemind's own parse of the same bytes fails the round just after
         return group_problem([entry.meta for entry in entries], self._default_target_group_size)

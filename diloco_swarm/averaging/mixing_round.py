@@ -31,6 +31,7 @@ from diloco_swarm.averaging.allreduce import MixingAllReduceRunner, RoundStats
 from diloco_swarm.averaging.codec import Int8BlockwiseCodec
 from diloco_swarm.averaging.confirm import DIGEST_WAIT_S, FAILED_MARK
 from diloco_swarm.averaging.mixing import mixing_group_id
+from diloco_swarm.averaging.request import gathered_entries
 from diloco_swarm.averaging.results import GoneProbe, RoundResult, short_reason
 from diloco_swarm.averaging.sparse import SparseInt8Codec
 from diloco_swarm.dht.calls import bounded
@@ -68,9 +69,12 @@ class ThetaMixing:
             if group_info is None:
                 raise RuntimeError("the round is no longer among our recent ones")
             mix_id = mixing_group_id(group_info.group_id)
-            bandwidths, mode_ids, _ = zip(*map(self.serializer.loads, group_info.gathered))
-            download = [b if AveragingMode(m) != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, mode_ids)]
-            kwargs, timeout = self._sized_to_caps(group_info, dict(self.allreduce_kwargs))
+            entries = gathered_entries(group_info.gathered, self.serializer.loads)
+            if any(entry is None for entry in entries):  # (the round's all-reduce read the same bytes, and ran)
+                raise RuntimeError("a member's gathered data no longer decodes")
+            download = [b if AveragingMode(m) != AveragingMode.CLIENT else 0.0
+                        for b, m, *_ in (entry.fields for entry in entries)]
+            kwargs, timeout = self._sized_to_caps(entries, dict(self.allreduce_kwargs))
             min_vector_size = kwargs.pop("min_vector_size")
             if isinstance(kwargs.get("compression"), SparseInt8Codec):  # θ-mixing stays dense int8 in a sparse run:
                 kwargs["compression"] = Int8BlockwiseCodec()  # θ differences are not pseudo-gradients (issue 38)

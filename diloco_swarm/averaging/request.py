@@ -131,11 +131,10 @@ def gathered_entries(gathered: Sequence[bytes], loads: Callable[[bytes], Any]) -
     return entries
 
 
-def gathered_weights(gathered: Sequence[bytes], loads: Callable[[bytes], Any]) -> list[float | None]:
-    """Each member's ``weight`` (:meth:`RoundRequest.gather`) from hivemind's gathered bytes, in the group's
-    order (``loads``: the averager's serializer); None where unreadable or not a finite number (untrusted:
-    ``grouping.gathered_weight``)."""
-    return [None if entry is None else gathered_weight(entry.meta) for entry in gathered_entries(gathered, loads)]
+def gathered_weights(entries: Sequence[GatheredEntry | None]) -> list[float | None]:
+    """Each member's ``weight`` (:meth:`RoundRequest.gather`) from its gathered entry (:func:`gathered_entries`),
+    in the group's order; None where unreadable or not a finite number (untrusted: ``grouping.gathered_weight``)."""
+    return [None if entry is None else gathered_weight(entry.meta) for entry in entries]
 
 
 def _number(request: RoundRequest, name: str) -> float:
