@@ -31,7 +31,7 @@ between the `<!-- bench:... -->` markers. To rerun:
 .venv/bin/python -m bench.memory         # section 9: peak PSS, B/param, state dir and start-up of two nodes per model, vs the code before (--base), 7–30 min
 .venv/bin/python -m bench.staleness      # section 4c: overlap (3 round lengths, and streamed) vs blocking over 30 outer steps, 3 seeds, ~25 min
 .venv/bin/python -m bench.hostile        # section 10: hostile peers (−8 × Δ, noise) vs the plain mean and the robust rule, simulated and real nodes (--part), ~1 h
-.venv/bin/python -m bench.sparse --workers 2   # section 11: sparse int8 vs int8 at equal tokens, the outer step swept, the codec's speed, ~20 min
+.venv/bin/python -m bench.sparse --workers 2   # section 11: sparse int8 vs int8 at equal tokens, the outer step swept, a hostile peer, the codec's speed, ~30 min
 .venv/bin/python -m bench.uplink         # section 11b: real nodes, then 100M-value averagers, behind 20 Mbit/s up / 100 down links, int8 vs the sparse modes, ~15 min
 ```
 

@@ -8,6 +8,7 @@ docs/benchmarks.md and bench/out/ are never touched.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import types
 
@@ -60,10 +61,16 @@ def test_the_sparse_benchmark_runs_at_toy_size_and_every_sparse_mode_uploads_les
     out = tmp_path / "out"
     assert main(["--size", "smoke", "--out-dir", str(out), "--no-doc"], name="sparse") == 0
     result = json.loads((out / "sparse.smoke.json").read_text())
-    upload = {r["variant"]: r["upload_B_per_param"] for r in result["runs"] if (r["lr"], r["momentum"]) == (0.7, 0.9)}
+    upload = {r["variant"]: r["upload_B_per_param"] for r in result["runs"]
+              if (r["lr"], r["momentum"]) == (0.7, 0.9) and not r["hostile"]}
     assert set(upload) == {"int8", "sparse1-int8", "sparse1-int8-cut", "sparse2-int8", "sparse2-int8-cut"}
     assert all(upload[v] < upload["int8"] / 5 for v in upload if v != "int8"), upload
     assert {c["mode"] for c in result["codec"]} == {"sparse1-int8", "sparse2-int8"}
+    # the hostile runs: one per rule, each against the same mode's honest peers alone at its outer step
+    from bench.sparse import summarize_hostile
+    attacked = summarize_hostile(result)
+    assert {(r["variant"], r["rule"]) for r in attacked} == {("sparse1-int8", "mean"), ("sparse1-int8", "skipped-mean")}
+    assert all(r["alone"] is not None and math.isfinite(r["final_loss"]) for r in attacked), attacked
 
 
 @pytest.mark.timeout(60)

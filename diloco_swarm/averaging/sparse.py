@@ -63,7 +63,11 @@ def _top_per_chunk(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     n_chunks = _n_chunks(n)
     rows = flat if n % CHUNK == 0 else torch.cat([flat, flat.new_zeros(n_chunks * CHUNK - n)])
     rows = rows.view(n_chunks, CHUNK)
-    within = torch.topk(rows.abs(), min(k, CHUNK), dim=1, sorted=False).indices.sort(dim=1).values
+    # numpy's introselect costs the same whatever k; torch.topk's CPU kernel slows with k (docs/decisions.md)
+    kept = min(k, CHUNK)
+    within = np.argpartition(np.abs(rows.numpy()), CHUNK - kept, axis=1)[:, CHUNK - kept:]  # NaN ranks last: kept
+    within.sort(axis=1)
+    within = torch.from_numpy(within)
     return within, torch.gather(rows, 1, within)
 
 
@@ -73,9 +77,9 @@ def select(values: torch.Tensor, k: int) -> torch.Tensor:
     :param values: any shape (flattened), fp32.
     :param k: entries per chunk, 1..CHUNK.
     :returns: int64 ``[m]``, sorted, positions into ``values.reshape(-1)``; zeros are left out, so
-        ``m ≤ k · ceil(n / CHUNK)``. Ties are broken by ``torch.topk`` (deterministic on the CPU).
+        ``m ≤ k · ceil(n / CHUNK)``. Ties are broken by ``numpy.argpartition`` (deterministic).
     """
-    flat = values.detach().reshape(-1)
+    flat = values.detach().reshape(-1).cpu()
     if flat.numel() == 0:
         return torch.zeros(0, dtype=torch.int64)
     within, kept = _top_per_chunk(flat, k)
@@ -128,7 +132,7 @@ def encode(values: torch.Tensor, k: int) -> bytes:
     if n == 0:
         return header
     within, kept = _top_per_chunk(flat, k)
-    absmax = kept.abs().amax(dim=1)  # the top k of a chunk hold its absmax; NaN and ±Inf rank first in topk
+    absmax = kept.abs().amax(dim=1)  # the top k of a chunk hold its absmax, and any NaN or ±Inf
     if not bool(torch.isfinite(absmax).all()):
         raise CodecError(f"refusing to encode {int((~torch.isfinite(flat)).sum())} non-finite value(s) out of {n}")
     scale = torch.where(absmax > _MIN_SCALE, _LEVELS / absmax.clamp(min=_MIN_SCALE), torch.zeros_like(absmax))
