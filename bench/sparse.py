@@ -38,7 +38,7 @@ VARIANTS = {"int8": None, "sparse1-int8": ("sparse1-int8", False), "sparse1-int8
 OUTER = (0.7, 0.9)  # DiLoCo's outer learning rate and Nesterov momentum: the node's default
 SWEEP = [(0.7, 0.9), (1.0, 0.9), (1.0, 0.7), (2.0, 0.7), (1.0, 0.5), (1.5, 0.5), (2.0, 0.5), (3.0, 0.5), (4.0, 0.5),
          (2.0, 0.3), (3.0, 0.3), (1.5, 0.0), (3.0, 0.0)]  # (lr, momentum) tried for the sparse mode
-ATTACK = SCENARIOS[1]  # ("1 × −8Δ", 1 hostile peer, "scale", −8.0): one more peer than the k honest ones
+ATTACK = next(s for s in SCENARIOS if s[0] == "1 × −8Δ")  # (label, 1 hostile peer, "scale", −8.0): one more than k
 HOSTILE_RULES = ("mean", "skipped-mean")  # the rule before issue 37, and the reducers' (averaging/robust.py)
 SIZES = {
     "smoke": {"preset": "tiny", "k": 4, "batch": 2, "seq_len": 32, "eval_batch": 4, "eval_batches": 1,
@@ -165,7 +165,8 @@ def _job(args) -> dict[str, Any]:
 
 def run(size: str, workers: int = 1, progress: Path | None = None) -> dict[str, Any]:
     """The sweep first (``sweep_mode`` at each (lr, momentum), ``sweep_seeds``); then every configuration at the
-    default outer step, and the sparse modes again at the sweep's best (lr, momentum)."""
+    default outer step, and the sparse modes again at the sweep's best (lr, momentum); then the hostile runs of
+    ``hostile_variants`` (each mode at its outer step: int8 at the default, a sparse mode at the sweep's best)."""
     cfg = SIZES[size]
     codec = codec_speed(1 << 22 if size != "full" else 1 << 24)  # first: nothing else of ours runs yet
     H, N = cfg["configs"][0]

@@ -64,11 +64,22 @@ def test_a_tensor_selected_once_encodes_to_the_same_bytes_as_its_source():
     assert encode(chosen, K) == encode(x, K)
 
 
-def test_non_finite_values_are_refused():
-    x = gaussian(CHUNK)
-    x[7] = float("nan")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", [[7], [2 * CHUNK + 3], list(range(CHUNK, CHUNK + 3 * K))])  # a later, a partial, a
+def test_non_finite_values_are_refused(bad, where):  # chunk with more of them than it keeps: each ranks first
+    x = gaussian(2 * CHUNK + 5)
+    x[where] = bad
     with pytest.raises(CodecError, match="non-finite"):
         encode(x, K)
+
+
+def test_a_selection_takes_the_largest_magnitudes_of_each_chunk_blocks_apart():
+    x = gaussian(3 * sparse.PART_VALUES + CHUNK // 2, seed=6)  # selected PART_VALUES at a time, a partial chunk last
+    rows = torch.cat([x, x.new_zeros(CHUNK // 2)]).view(-1, CHUNK)
+    top = torch.topk(rows.abs(), K, dim=1).indices.sort(dim=1).values + torch.arange(rows.shape[0]).unsqueeze(1) * CHUNK
+    assert torch.equal(select(x, K), top[top < x.numel()])
+    with pytest.raises(CodecError, match="entries per chunk"):
+        select(x, 0)
 
 
 def test_parts_hold_whole_chunks_so_a_tensors_roundtrip_is_its_parts_laid_end_to_end():

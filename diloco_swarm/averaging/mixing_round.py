@@ -71,7 +71,7 @@ class ThetaMixing:
             mix_id = mixing_group_id(group_info.group_id)
             entries = gathered_entries(group_info.gathered, self.serializer.loads)
             if any(entry is None for entry in entries):  # (the round's all-reduce read the same bytes, and ran)
-                raise RuntimeError("a member's gathered data no longer decodes")
+                raise RuntimeError("a member's gathered data does not decode")
             download = [b if AveragingMode(m) != AveragingMode.CLIENT else 0.0
                         for b, m, *_ in (entry.fields for entry in entries)]
             kwargs, timeout = self._sized_to_caps(entries, dict(self.allreduce_kwargs))

@@ -45,6 +45,7 @@ _HEADER = struct.Struct("<3sBIQ")  # magic, version, chunk, n_values
 _LEVELS = 127.0
 _MIN_SCALE = 1e-30  # a chunk whose absmax is below this sends nothing (127 / absmax would overflow fp32)
 PART_VALUES = 1 << 20  # hivemind's part of a sparse all-reduce: 256 chunks (see estimate_compression_ratio); the most a part holds
+_SELECT_ROWS = PART_VALUES // CHUNK  # chunks selected at a time: a few MB of temporaries whatever the tensor's size
 # the sparse modes of ``--compression``: (entries kept per chunk of CHUNK values: 1% and 2%, rounded; whether a
 # reducer cuts its average back to that many). The "-cut" modes are measured (bench wire, bench quality), not offered
 SPARSE_MODES: dict[str, tuple[int, bool]] = {"sparse1-int8": (41, False), "sparse2-int8": (82, False),
@@ -57,29 +58,37 @@ def _n_chunks(n_values: int) -> int:
 
 def _top_per_chunk(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions within their chunk, sorted, int64 ``[n_chunks, k']``; the values there, fp32) of the ``k'`` =
-    min(k, CHUNK) entries of largest magnitude of each chunk of ``flat`` (fp32 ``[n]``, n ≥ 1; a partial last
-    chunk is padded with zeros, which are never kept by the callers)."""
-    n = flat.numel()
-    n_chunks = _n_chunks(n)
-    rows = flat if n % CHUNK == 0 else torch.cat([flat, flat.new_zeros(n_chunks * CHUNK - n)])
-    rows = rows.view(n_chunks, CHUNK)
-    # numpy's introselect costs the same whatever k; torch.topk's CPU kernel slows with k (docs/decisions.md)
-    kept = min(k, CHUNK)
-    within = np.argpartition(np.abs(rows.numpy()), CHUNK - kept, axis=1)[:, CHUNK - kept:]  # NaN ranks last: kept
-    within.sort(axis=1)
-    within = torch.from_numpy(within)
-    return within, torch.gather(rows, 1, within)
+    min(k, CHUNK) entries of largest magnitude of each chunk of ``flat`` (fp32 CPU ``[n]``, n ≥ 1; a partial last
+    chunk is padded with zeros, which are never kept by the callers). NaN ranks above every number: kept."""
+    n_chunks, top = _n_chunks(flat.numel()), min(k, CHUNK)
+    values = flat.numpy()
+    within = np.empty((n_chunks, top), dtype=np.int64)
+    kept = np.empty((n_chunks, top), dtype=np.float32)
+    for first in range(0, n_chunks, _SELECT_ROWS):
+        last = min(n_chunks, first + _SELECT_ROWS)
+        rows = values[first * CHUNK:last * CHUNK]
+        if rows.size < (last - first) * CHUNK:
+            rows = np.concatenate([rows, np.zeros((last - first) * CHUNK - rows.size, dtype=np.float32)])
+        rows = rows.reshape(-1, CHUNK)
+        # numpy's introselect costs the same whatever k; torch.topk's CPU kernel slows with k (docs/decisions.md)
+        idx = np.sort(np.argpartition(np.abs(rows), CHUNK - top, axis=1)[:, CHUNK - top:], axis=1)
+        within[first:last], kept[first:last] = idx, np.take_along_axis(rows, idx, axis=1)
+    return torch.from_numpy(within), torch.from_numpy(kept)
 
 
 def select(values: torch.Tensor, k: int) -> torch.Tensor:
     """Positions of the ``k`` entries of largest magnitude in each chunk of :data:`CHUNK` values.
 
-    :param values: any shape (flattened), fp32.
+    :param values: any shape (flattened), float dtype (converted to fp32 on the CPU).
     :param k: entries per chunk, 1..CHUNK.
     :returns: int64 ``[m]``, sorted, positions into ``values.reshape(-1)``; zeros are left out, so
-        ``m ≤ k · ceil(n / CHUNK)``. Ties are broken by ``numpy.argpartition`` (deterministic).
+        ``m ≤ k · ceil(n / CHUNK)``. Ties are broken by ``numpy.argpartition``: the same on one machine, maybe
+        not between peers (numpy picks a kernel for the CPU), which nothing relies on.
+    :raises CodecError: ``k`` out of range.
     """
-    flat = values.detach().reshape(-1).cpu()
+    if not 1 <= k <= CHUNK:
+        raise CodecError(f"entries per chunk must be within 1..{CHUNK}, got {k}")
+    flat = values.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
     if flat.numel() == 0:
         return torch.zeros(0, dtype=torch.int64)
     within, kept = _top_per_chunk(flat, k)
