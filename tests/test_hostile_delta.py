@@ -1,19 +1,19 @@
 """A hostile volunteer cannot steer the model (issue 37): every reducer leaves its Δ out, names it, and avoids it.
 
 4 honest peers and one that sends −8 × its Δ to every round (``--fault scale=-8``, tests/faults.py: mostly
-inside the 10× bound on a part's size; a part over it fails that round) against the same 4 honest peers alone (the same peer
-ids, so the same data; not the same inner steps: DyLU sizes each phase to the machine's load). With the
-plain weighted mean the same attack cost +21.5% of held-out loss (issue 37: 5 peers, 10 outer steps of
-H = 20); the reducers' skipped mean (averaging/robust.py) must keep the honest peers within 2%. An outlier
-in ``AVOID_AFTER_OUTLIER_ROUNDS`` rounds in a row is then avoided (averaging/conduct.py): each honest peer
-says so in its log and its signed record, which ``status --json`` reads; no honest peer is avoided.
+inside the 10× bound on a part's size; a part over it fails that round) against the same 4 honest peers
+alone (the same peer ids, so the same data). With the plain weighted mean the same attack cost +21.5% of
+held-out loss (issue 37: 5 peers, 10 outer steps of H = 20); with the reducers' skipped mean
+(averaging/robust.py) the honest peers must end within 2%, compared at equal honest tokens: DyLU sizes each
+phase to the machine's load, so the two runs train different tokens per outer step. An outlier in
+``AVOID_AFTER_OUTLIER_ROUNDS`` rounds in a row is then avoided (averaging/conduct.py): each honest peer says so
+in its log and its signed record, which ``status --json`` reads; no honest peer is avoided, and the group
+no longer waits for the avoided one (round_policy.plan).
 
-The same holds in a sparse mode (issue 38): the reducers judge the decoded sparse parts, name the hostile peer
-and avoid it, and the honest peers' loss falls. Its loss is not compared with the honest run's: a sparse
-mode's loss depends on the phase length, which DyLU sizes to the machine's load, and five processes on two
-cores give the attacked run longer phases, so runs this short differ by up to 10% whatever the attack
-(docs/decisions.md, *Sparse int8*). The ratio at equal tokens and seeds, where the plain mean diverges, is
-the benchmark's (docs/benchmarks.md, section 11).
+The same holds in a sparse mode (issue 38), but for the ratio: the hostile peer's parts over the size bound
+fail its first rounds, and a round lost early costs a sparse mode more than int8 (+13% and +14% at equal
+tokens in runs of 6 outer steps; int8 −0.7% to +0.1%; docs/decisions.md, *Sparse int8*). The ratio with
+the rounds left whole is the benchmark's (docs/benchmarks.md, section 11: +0.06%).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from diloco_swarm.averaging.conduct import AVOID_AFTER_OUTLIER_ROUNDS
@@ -33,7 +34,9 @@ from swarmlib import Swarm
 pytestmark = [pytest.mark.swarm]
 
 OUTER_STEPS = 6
-# the honest peers' held-out loss against the honest peers alone: issue 37's 2%; none in a sparse mode (docstring)
+INNER_STEPS = 40  # H: a phase outlasts a round, as a real minutes-long one does (so DyLU does not stretch it to 2H)
+# the honest peers' held-out loss against the honest peers alone at equal honest tokens: issue 37's 2%; none
+# in a sparse mode (the module docstring)
 TOLERANCE = {"int8": 0.02, "sparse1-int8": None}
 LOSS_FALLS = 0.3  # nats/token from the first held-out loss to the last, every honest peer of every run
 START_S = 180.0
@@ -46,6 +49,23 @@ def _status(swarm: Swarm, node) -> dict:
                           node.maddr(), "--run-id", swarm.run_id], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
+
+
+def _loss_by_tokens(nodes: list) -> tuple[np.ndarray, np.ndarray]:
+    """The held-out loss of θ_global against the tokens the honest ``nodes`` trained into it (x: ascending).
+
+    One point before training (the first evaluation, at 0 tokens) and one per outer step that every node
+    recorded with an evaluation of that step: x is the sum of the nodes' ``tokens_total`` there (every round's
+    tokens but a late one's, counted with the round that carries them; a failed round's too: they were spent),
+    y the nodes' mean held-out loss there (one lineage: they agree)."""
+    # per node, outer step → (tokens_total, held-out loss): a late round records its step again, the later wins
+    by_step = [{r["outer_step"]: (r["tokens_total"], r["eval_loss"]) for r in node.outer_steps()
+                if r["eval_outer_step"] == r["outer_step"]} for node in nodes]
+    start = float(np.mean([node.events("eval")[0]["eval_loss"] for node in nodes]))
+    common = sorted(set.intersection(*(set(seen) for seen in by_step)))
+    tokens = [0] + [sum(seen[step][0] for seen in by_step) for step in common]
+    losses = [start] + [float(np.mean([seen[step][1] for seen in by_step])) for step in common]
+    return np.array(tokens, dtype=float), np.array(losses)
 
 
 def _watch_avoidance(swarm: Swarm, honest: list, hostile: list) -> dict:
@@ -65,32 +85,32 @@ def _watch_avoidance(swarm: Swarm, honest: list, hostile: list) -> dict:
 
 
 def _train(root: Path, honest: int, hostile: int, compression: str,
-           peers_of: Path | None = None) -> tuple[list[float], list[str], list[str], list[str], dict | None]:
-    """``honest`` + ``hostile`` peers to ``OUTER_STEPS`` in ``compression``: the honest peers' final held-out
-    losses, their logs, the honest and the hostile peers' ids, and (with a hostile peer) the ``status --json``
-    document that shows it avoided. The honest peers take the identity keys of ``peers_of``'s (a finished run's
-    root): their peer ids, and with them the order in which each reads the data."""
+           peers_of: Path | None = None) -> tuple[tuple, list[str], list[str], list[str], dict | None]:
+    """``honest`` + ``hostile`` peers to ``OUTER_STEPS`` in ``compression``: the honest peers' held-out loss
+    by honest tokens (:func:`_loss_by_tokens`), their logs, the honest and the hostile peers' ids, and (with a
+    hostile peer) the ``status --json`` document that shows it avoided. The honest peers take the identity keys
+    of ``peers_of``'s (a finished run's root): their peer ids, and with them the order in which each reads the
+    data."""
     n = honest + hostile
     for i in range(honest if peers_of is not None else 0):
         (root / f"h{i}").mkdir(parents=True)
         shutil.copy(peers_of / f"h{i}" / IDENTITY_FILE, root / f"h{i}" / IDENTITY_FILE)
-    with Swarm(root, f"hostile-delta-{hostile}", extra=["--max-outer-steps", str(OUTER_STEPS), "--wait-for-peers",
-                                                       str(n), "--compression", compression]) as swarm:
+    extra = ["--max-outer-steps", str(OUTER_STEPS), "--inner-steps", str(INNER_STEPS), "--wait-for-peers", str(n),
+             "--compression", compression]
+    with Swarm(root, f"hostile-delta-{hostile}", extra=extra) as swarm:
         first = swarm.start("h0", timeout=START_S)
         nodes = [first] + [swarm.start(f"h{i}", initial=first, wait_start=False) for i in range(1, honest)]
         bad = [swarm.start(f"x{i}", "--fault", "scale=-8", initial=first, wait_start=False) for i in range(hostile)]
         status = _watch_avoidance(swarm, nodes, bad) if bad else None
         for node in nodes + bad:
             assert swarm.wait_exit(node, 300) == 0, node.output()[-3000:]
-        losses = []
         for node in nodes:
             steps = node.outer_steps()
             assert steps and steps[-1]["outer_step"] >= OUTER_STEPS - 1, (node.name, steps)
             assert sum(r["round_ok"] for r in steps) >= OUTER_STEPS // 2, (node.name, steps)
             assert steps[-1]["eval_loss"] < node.events("eval")[0]["eval_loss"] - LOSS_FALLS, (node.name, steps)
-            losses.append(steps[-1]["eval_loss"])
         ids = [[node.events("start")[-1]["peer_id"] for node in group] for group in (nodes, bad)]
-        return losses, [node.output() for node in nodes], ids[0], ids[1], status
+        return _loss_by_tokens(nodes), [node.output() for node in nodes], ids[0], ids[1], status
 
 
 @pytest.mark.timeout(600)
@@ -99,9 +119,13 @@ def test_a_peer_sending_minus_8_times_its_delta_is_left_out_named_and_avoided(tm
     alone, alone_logs, _, _, _ = _train(tmp_path / "honest", 4, 0, compression)
     attacked, logs, honest_ids, (hostile_id,), status = _train(tmp_path / "attacked", 4, 1, compression,
                                                                peers_of=tmp_path / "honest")
-    baseline, tolerance = sum(alone) / len(alone), TOLERANCE[compression]
-    for loss in attacked if tolerance is not None else ():
-        assert loss <= baseline * (1 + tolerance), (attacked, alone)
+    # at the honest tokens both runs reached (the loss between two evaluations interpolated), near their end
+    assert min(len(alone[0]), len(attacked[0])) >= OUTER_STEPS, (alone, attacked)  # the start and ≥ 5 steps
+    tokens = min(alone[0][-1], attacked[0][-1])
+    ratio = np.interp(tokens, *attacked) / np.interp(tokens, *alone) - 1
+    print(f"{compression}: attacked vs alone at {tokens:.0f} honest tokens: {ratio:+.2%}")
+    if TOLERANCE[compression] is not None:
+        assert ratio <= TOLERANCE[compression], (ratio, tokens, [c.tolist() for c in (*alone, *attacked)])
     # every honest peer reduces a slice holding the hostile peer's parts, and names it there
     named = [log for log in logs if f"peer {hostile_id} sent an outlier Δ" in log]
     assert len(named) == len(logs), [log[-1500:] for log in logs]

@@ -20,10 +20,10 @@ def rec(step=5, eta=NOW - 1.0, rnd=None, reach="public"):
     return SimpleNamespace(outer_step=step, restarted_below=0, phase_eta=eta, averaging_round=rnd, reachability=reach)
 
 
-def plan_of(records, me="me", cfg=CFG, gone=frozenset(), step=5, silent=None):
+def plan_of(records, me="me", cfg=CFG, gone=frozenset(), step=5, silent=None, shunned=frozenset()):
     others = {p: r for p, r in records.items() if p != me}
     return policy.plan(step, 10.0, others, me=me, now=NOW, silent_s=silent or {}, max_silent_s=10.0,
-                       first_round=False, cfg=cfg, gone=gone)
+                       first_round=False, cfg=cfg, gone=gone, shunned=shunned)
 
 
 def test_nobody_else_online_is_a_solo_round_in_overlap_mode_only():
@@ -59,6 +59,20 @@ def test_a_member_found_gone_in_a_one_group_round_leaves_the_plan_and_its_eta():
     assert plan_of(records).due == pytest.approx(NOW + 3.0 + policy.ALIGN_SLACK_S)  # waits for the slow one
     planned = plan_of(records, gone={"slow"})
     assert "slow" not in planned.plan.expected and planned.due == pytest.approx(NOW + policy.ALIGN_SLACK_S)
+
+
+def test_a_peer_we_avoid_is_not_planned_with_nor_waited_for_in_one_group_but_stays_in_a_grid():
+    # it never joins our group: a plan that counted it would wait out its (maybe hostile) ETA and the leader
+    # the matchmaking time for a member that cannot come
+    records = {"me": rec(), "a": rec(), "b": rec(), "avoided": rec(eta=NOW + 4.0)}
+    assert plan_of(records).due == pytest.approx(NOW + 4.0 + policy.ALIGN_SLACK_S)
+    planned = plan_of(records, shunned={"avoided"})
+    assert "avoided" not in planned.plan.expected and planned.due == pytest.approx(NOW + policy.ALIGN_SLACK_S)
+    join = policy.after_plan(planned, records, set(), me="me", overlap=True)
+    assert join.members == ("a", "b") and join.online == 4  # (the averager takes it out of the quorum's count)
+    grid = {**{p: rec() for p in ("me", "a", "b", "c", "d")}, "avoided": rec()}
+    cfg = SimpleNamespace(**{**vars(CFG), "group_size": 2})
+    assert plan_of(grid, cfg=cfg, shunned={"avoided"}).plan.groups == plan_of(grid, cfg=cfg).plan.groups
 
 
 def test_a_grid_group_whose_others_are_gone_is_late_not_solo():

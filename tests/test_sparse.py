@@ -12,7 +12,7 @@ import torch
 
 from diloco_swarm.averaging import sparse
 from diloco_swarm.averaging.codec import CodecError
-from diloco_swarm.averaging.sparse import CHUNK, SparseInt8Codec, decode, encode, roundtrip, select
+from diloco_swarm.averaging.sparse import CHUNK, SparseInt8Codec, decode, encode, roundtrip, select, sparsify
 from diloco_swarm.node.feedback import ErrorFeedback, Feedback
 
 K = sparse.SPARSE_MODES["sparse1-int8"][0]
@@ -64,13 +64,26 @@ def test_a_tensor_selected_once_encodes_to_the_same_bytes_as_its_source():
     assert encode(chosen, K) == encode(x, K)
 
 
+def test_sparsify_selects_once_what_select_gives_and_what_the_wire_decodes_to_there():
+    # the error feedback subtracts what a receiver decodes: bit for bit, across parts and a partial chunk
+    x = gaussian(sparse.PART_VALUES + 2 * CHUNK + 9, seed=7)
+    x[CHUNK + 1] = 1e3  # a spike: the chunk's other kept values' codes round to 0
+    x[2 * CHUNK:3 * CHUNK] *= 1e-32  # an absmax below the codec's smallest scale: nothing sent
+    x[5 * CHUNK:6 * CHUNK] = 0.0  # nothing to send
+    positions, values, received = sparsify(x, K)
+    assert torch.equal(positions, select(x, K)) and torch.equal(values, x[positions])
+    assert torch.equal(received, roundtrip(x, K)[positions])
+    assert all(t.numel() == 0 for t in sparsify(torch.zeros(0), K))
+
+
+@pytest.mark.parametrize("codec", [encode, sparsify])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("where", [[7], [2 * CHUNK + 3], list(range(CHUNK, CHUNK + 3 * K))])  # a later, a partial, a
-def test_non_finite_values_are_refused(bad, where):  # chunk with more of them than it keeps: each ranks first
+def test_non_finite_values_are_refused(codec, bad, where):  # chunk with more of them than it keeps: each ranks first
     x = gaussian(2 * CHUNK + 5)
     x[where] = bad
     with pytest.raises(CodecError, match="non-finite"):
-        encode(x, K)
+        codec(x, K)
 
 
 def test_a_selection_takes_the_largest_magnitudes_of_each_chunk_blocks_apart():

@@ -324,7 +324,7 @@ class PseudoGradientAverager(ConfirmedRounds, StateSharing, ThetaMixing, Decentr
         if matchmaking is not None:
             bits, target, online, cap = self._round_settings(step)
             quorum = grid_group_quorum(target) if bits else self._quorum(online, cap)
-            configure_round(matchmaking, bits=bits, target=target, quorum=quorum, avoids=self._conduct.avoids,
+            configure_round(matchmaking, bits=bits, target=target, quorum=quorum, avoids=self._conduct.shuns,
                             admits=self._admission.admits)
         self._refused_group = None
         self._step_in_flight = step  # its cancellation is read once its all-reduce ran (_aggregate_with_group)

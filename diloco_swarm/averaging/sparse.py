@@ -76,6 +76,32 @@ def _top_per_chunk(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return torch.from_numpy(within), torch.from_numpy(kept)
 
 
+def _as_flat(values: torch.Tensor, k: int) -> torch.Tensor:
+    """``values`` flattened, fp32 on the CPU. :raises CodecError: a non-float dtype or ``k`` out of 1..CHUNK."""
+    if not 1 <= k <= CHUNK:
+        raise CodecError(f"entries per chunk must be within 1..{CHUNK}, got {k}")
+    if not values.is_floating_point():
+        raise CodecError(f"the sparse codec takes float tensors, got {values.dtype}")
+    return values.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+
+
+def _positions(within: torch.Tensor) -> torch.Tensor:
+    """Flat positions (int64 ``[n_chunks, k']``) of positions within their chunk."""
+    return within + torch.arange(within.shape[0]).unsqueeze(1) * CHUNK
+
+
+def _quantize(kept: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each chunk's scale: its absmax, 0 below ``_MIN_SCALE``, fp32 ``[n_chunks]``; the int8 codes of ``kept``)
+    for ``kept`` (fp32 ``[n_chunks, k']``, :func:`_top_per_chunk` of ``flat``). :raises CodecError: non-finite."""
+    absmax = kept.abs().amax(dim=1)  # the top k of a chunk hold its absmax, and any NaN or ±Inf
+    if not bool(torch.isfinite(absmax).all()):
+        raise CodecError(f"refusing to encode {int((~torch.isfinite(flat)).sum())} non-finite value(s) "
+                         f"out of {flat.numel()}")
+    scale = torch.where(absmax > _MIN_SCALE, _LEVELS / absmax.clamp(min=_MIN_SCALE), torch.zeros_like(absmax))
+    codes = torch.round(kept * scale.unsqueeze(1)).to(torch.int8)
+    return torch.where(absmax > _MIN_SCALE, absmax, torch.zeros_like(absmax)), codes
+
+
 def select(values: torch.Tensor, k: int) -> torch.Tensor:
     """Positions of the ``k`` entries of largest magnitude in each chunk of :data:`CHUNK` values.
 
@@ -84,16 +110,32 @@ def select(values: torch.Tensor, k: int) -> torch.Tensor:
     :returns: int64 ``[m]``, sorted, positions into ``values.reshape(-1)``; zeros are left out, so
         ``m ≤ k · ceil(n / CHUNK)``. Ties are broken by ``numpy.argpartition``: the same on one machine, maybe
         not between peers (numpy picks a kernel for the CPU), which nothing relies on.
-    :raises CodecError: ``k`` out of range.
+    :raises CodecError: a non-float dtype or ``k`` out of range.
     """
-    if not 1 <= k <= CHUNK:
-        raise CodecError(f"entries per chunk must be within 1..{CHUNK}, got {k}")
-    flat = values.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+    flat = _as_flat(values, k)
     if flat.numel() == 0:
         return torch.zeros(0, dtype=torch.int64)
     within, kept = _top_per_chunk(flat, k)
-    positions = within + torch.arange(within.shape[0]).unsqueeze(1) * CHUNK
-    return positions[kept != 0]  # (not "> 0" of a magnitude: a NaN stays, for encode to refuse it)
+    return _positions(within)[kept != 0]  # (not "> 0" of a magnitude: a NaN stays, for encode to refuse it)
+
+
+def sparsify(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sender's selection of ``values`` and what a receiver decodes of it, from one selection.
+
+    :param values: any shape (flattened), float dtype (converted to fp32 on the CPU), finite.
+    :param k: entries per chunk, 1..CHUNK.
+    :returns: (the positions :func:`select` gives, int64 ``[m]``; ``values`` there, fp32 ``[m]``; what
+        :func:`roundtrip` of ``values`` holds there, fp32 ``[m]``, 0 where the code rounds to 0).
+    :raises CodecError: non-finite values, a non-float dtype or ``k`` out of range.
+    """
+    flat = _as_flat(values, k)
+    if flat.numel() == 0:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0), torch.zeros(0)
+    within, kept = _top_per_chunk(flat, k)
+    absmax, codes = _quantize(kept, flat)
+    received = codes.to(torch.float32) * (absmax / _LEVELS).unsqueeze(1)  # as decode computes it, in fp32
+    nonzero = kept != 0
+    return _positions(within)[nonzero], kept[nonzero], received[nonzero]
 
 
 def _pack12(indices: np.ndarray) -> bytes:
@@ -131,23 +173,14 @@ def encode(values: torch.Tensor, k: int) -> bytes:
     :returns: the wire format above.
     :raises CodecError: non-finite values, a non-float dtype or ``k`` out of range.
     """
-    if not 1 <= k <= CHUNK:
-        raise CodecError(f"entries per chunk must be within 1..{CHUNK}, got {k}")
-    if not values.is_floating_point():
-        raise CodecError(f"the sparse codec takes float tensors, got {values.dtype}")
-    flat = values.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+    flat = _as_flat(values, k)
     n = flat.numel()
     header = _HEADER.pack(_MAGIC, _VERSION, CHUNK, n)
     if n == 0:
         return header
     within, kept = _top_per_chunk(flat, k)
-    absmax = kept.abs().amax(dim=1)  # the top k of a chunk hold its absmax, and any NaN or ±Inf
-    if not bool(torch.isfinite(absmax).all()):
-        raise CodecError(f"refusing to encode {int((~torch.isfinite(flat)).sum())} non-finite value(s) out of {n}")
-    scale = torch.where(absmax > _MIN_SCALE, _LEVELS / absmax.clamp(min=_MIN_SCALE), torch.zeros_like(absmax))
-    codes = torch.round(kept * scale.unsqueeze(1)).to(torch.int8)
+    absmax, codes = _quantize(kept, flat)
     sent = codes != 0  # zeros (a padded or sparse chunk) and values that round to 0 are not sent
-    absmax = torch.where(absmax > _MIN_SCALE, absmax, torch.zeros_like(absmax))
     counts = sent.sum(dim=1).numpy().astype("<u2")
     return b"".join((header, counts.tobytes(), absmax.numpy().astype("<f4").tobytes(),
                      _pack12(within[sent].numpy().astype(np.uint16)), codes[sent].numpy().tobytes()))

@@ -76,15 +76,13 @@ class ErrorFeedback:
         dense, positions, raw, sent = [], [], [], []
         for d, e in zip(delta, self.residual):
             target = d.to(torch.float32) + e
-            where = sparse.select(target, self.per_chunk)
-            values = target.reshape(-1)[where]
+            where, values, received = sparse.sparsify(target, self.per_chunk)  # (one selection: the costly part)
             chosen = torch.zeros(target.numel(), dtype=torch.float32)
             chosen[where] = values
-            received = sparse.roundtrip(chosen, self.per_chunk)
             dense.append(chosen.reshape(target.shape))
             positions.append(where)
             raw.append(values)
-            sent.append(received[where])
+            sent.append(received)
         return Selection(dense, positions, raw, sent)
 
     @torch.no_grad()

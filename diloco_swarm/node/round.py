@@ -207,7 +207,7 @@ class Round:
         seen = time.monotonic()
         view = dict(me=p.peer_id, silent_s={q: p.swarm.silent_s(q, seen) for q in others},
                     max_silent_s=policy.SILENT_RECORDS * p.records.interval_s, first_round=p.stats.last_round is None,
-                    cfg=p.cfg)
+                    cfg=p.cfg, shunned=frozenset(p.stats.avoided_peers))  # (as of the last all-reduce that ran)
         planned = policy.plan(handoff.standing, handoff.inner_s, others, now=clock.now(), **view)
         _, members = planned.plan.group_of(p.peer_id)
         gone = gone_peers(p.dht, [q for q in members if q != p.peer_id and others[q].reachability != "client"],

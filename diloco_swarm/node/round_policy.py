@@ -130,7 +130,8 @@ def needs_swarm_wait(plan: RoundPlan, records: Mapping[str, Any], me: str) -> bo
 
 def plan(step: int, inner_s: float, others: Mapping[str, Any], *, me: str, now: float,
          silent_s: Mapping[str, float], max_silent_s: float, first_round: bool, cfg: Any,
-         gone: frozenset[str] | set[str] = frozenset()) -> Planned:
+         gone: frozenset[str] | set[str] = frozenset(),
+         shunned: frozenset[str] | set[str] = frozenset()) -> Planned:
     """This round's plan: whom it waits for and, when the swarm is larger than one group, our grid group.
 
     ``step``: our standing at the hand-off (``mixing.standing``: our outer step, unless our lineage
@@ -138,7 +139,10 @@ def plan(step: int, inner_s: float, others: Mapping[str, Any], *, me: str, now: 
     phase's seconds; ``others``: peer id -> record of the other peers; ``silent_s``: seconds each record has been unchanged as we read it;
     ``gone``: members a probe found dead (their records are still fresh): in a one-group round they
     leave the plan, and no round waits for them (:func:`after_plan` also leaves them out of the
-    online count behind the majority quorum). ``cfg``: the node's config
+    online count behind the majority quorum); ``shunned``: peers our averager bans or avoids
+    (``NodeStats.avoided_peers``): they never join our group, so a one-group round neither plans with them nor
+    waits for their ETA, which a hostile one could set to stall every round by the grace window (the
+    averager leaves them out of the quorum itself). ``cfg``: the node's config
     (``averaging_window``, ``matchmaking_time``, ``group_size``, ``max_group_size``, ``max_outer_steps``).
 
     The grace window is half a phase of ours, within [--matchmaking-time, half the averaging window].
@@ -157,8 +161,9 @@ def plan(step: int, inner_s: float, others: Mapping[str, Any], *, me: str, now: 
     cap = cfg.max_group_size if 0 < cfg.max_outer_steps <= round_no + 1 else cfg.group_size
     grace = min(cfg.averaging_window / 2, max(cfg.matchmaking_time, inner_s / 2))
     result = plan_round(round_no, etas, max_group_size=cap, grace_s=grace)
-    if gone and len(result.groups) == 1:  # (a grid stays as the others see it: they may not know yet)
-        etas.update((p, math.inf) for p in gone)
+    left_out = (set(gone) | set(shunned)) & set(others)
+    if left_out and len(result.groups) == 1:  # (a grid stays as the others see it: they may not know or shun them)
+        etas.update((p, math.inf) for p in left_out)
         result = plan_round(round_no, etas, max_group_size=cap, grace_s=grace)
     _, members = result.group_of(me)
     last = max((etas[p] for p in members if p not in gone), default=0.0)
