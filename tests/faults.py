@@ -26,7 +26,7 @@ Every ``--fault`` adds one fault (any number; none: an honest node); the other a
   boast            this peer's signed record claims 10x its tokens (plus 10^6; in verified rounds too) and 20 verified rounds more than it
                    had (its rounds and their weights stay honest): the ledger must show it self-reported
   drop-part        as a reducer, this peer refuses every other member's part (a hostile leader or
-                   reducer that drops honest members' contributions)
+                   reducer that drops honest members' contributions), and shuns none of them
   lonely           this peer looks for its groups under a key no other peer uses, so it waits in
                    matchmaking for its whole averaging window (stop it there at any moment)
   disk-full        every checkpoint write after the first fails with ENOSPC (a state dir on a full disk)
@@ -82,6 +82,7 @@ from hivemind.proto import averaging_pb2  # noqa: E402
 
 from diloco_swarm.averaging import averager, codec  # noqa: E402
 from diloco_swarm.averaging.allreduce import ConsensusAllReduceRunner  # noqa: E402
+from diloco_swarm.averaging.conduct import PeerConduct  # noqa: E402
 from hivemind.averaging.partition import TensorPartReducer  # noqa: E402
 from diloco_swarm.averaging.averager import PseudoGradientAverager  # noqa: E402
 from diloco_swarm.averaging.request import RoundRequest  # noqa: E402
@@ -382,7 +383,16 @@ class DroppingAllReduceRunner(ConsensusAllReduceRunner):
         return "was dropped (fault: drop-part)"
 
 
+class UnjudgingConduct(PeerConduct):
+    def judge(self, stats) -> None:  # a hostile reducer shuns none of the peers it drops: it keeps joining their groups
+        pass
+
+
 class DroppingAverager(PseudoGradientAverager):
+    def run(self):  # (the averager process's entry: its conduct lives there)
+        self._conduct = UnjudgingConduct()
+        super().run()
+
     async def _run_consensus(self, runner_type, *args, **kwargs) -> None:
         if runner_type is ConsensusAllReduceRunner:  # the round's all-reduce (θ-mixing's runs honestly)
             runner_type = DroppingAllReduceRunner

@@ -105,6 +105,15 @@ def test_protocol_breakers_are_banned_with_their_reason(reason, banned):
         assert not judge.shuns("B")
 
 
+def test_a_sender_whose_part_was_left_out_as_too_large_is_avoided_a_while_not_banned():
+    # a Δ round keeps going without that part (allreduce.py: RoundStats.oversized_senders), the judgement stands
+    judge, clock = conduct()
+    judge.judge(RoundStats(oversized_senders={"B": f"sent a part with RMS 9, {SIZE_REASON} 1"}))
+    assert "B" not in judge.banned and "too large" in judge.shunned_peers()["B"]
+    clock.now += AVOID_REFUSER_S
+    assert not judge.shuns("B")
+
+
 def test_shunned_peers_lists_the_banned_then_the_avoided_newest_last():
     judge, _ = conduct()
     judge.judge(RoundStats(failed_reducers={"R": REFUSED_OUR_PART}))

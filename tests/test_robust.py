@@ -194,10 +194,12 @@ def test_bad_input_is_refused(parts, weights, said):
 
 
 # --- the reducer ------------------------------------------------------------------------------------
-def _reduce(make_reducer, parts_by_sender, weights, fail_before: dict[int, int] | None = None):
+def _reduce(make_reducer, parts_by_sender, weights, fail_before: dict[int, int] | None = None,
+            left_out: frozenset[tuple[int, int]] = frozenset()):
     """A reducer from ``make_reducer()``; every sender submits its parts in order, concurrently (as their
-    streams do); a sender in ``fail_before`` is dropped (``on_sender_failed``) before that part.
-    Returns (each sender's results, the reducer)."""
+    streams do); a sender in ``fail_before`` is dropped (``on_sender_failed``) before that part; a
+    (sender, part) in ``left_out`` is submitted as over the size bound. :returns: (each sender's results,
+    the reducer)."""
     reducer = None
 
     async def sender(i):
@@ -207,7 +209,8 @@ def _reduce(make_reducer, parts_by_sender, weights, fail_before: dict[int, int] 
                 reducer.on_sender_failed(i)
                 return out
             try:
-                out.append(await reducer.accumulate_part(i, j, part, weight=weights[i]))
+                flag = {"left_out": True} if (i, j) in left_out else {}
+                out.append(await reducer.accumulate_part(i, j, part, weight=weights[i], **flag))
             except BannedException:
                 return out
         return out
@@ -246,6 +249,22 @@ def test_the_reducer_leaves_a_hostile_sender_out_and_counts_its_values():
         assert all(torch.allclose(got[i][p], honest_mean, atol=1e-6) for i in range(5))
     assert reducer.reduced_values == [2 * D] * 5
     assert reducer.outlier_values == [0, 0, 0, 0, 2 * D]
+
+
+def test_a_part_over_the_size_bound_is_left_out_unjudged_and_its_sender_still_gets_the_average():
+    """The all-reduce leaves a part over the size bound out of its slice (allreduce.py) and keeps the round:
+    that part weighs in neither the centre nor the mean, counts as outlier values, and its sender gets the
+    part's average as everyone does (nothing partial)."""
+    parts = _parts(4, 2)
+    parts[3][1] = parts[3][1] * 1e6  # only its second part is over the bound
+    got, reducer = _reduce(lambda: RobustPartReducer([(D,)] * 2, 4), parts, [1.0] * 4, left_out=frozenset({(3, 1)}))
+    assert [len(r) for r in got] == [2, 2, 2, 2]
+    assert all(torch.allclose(got[i][0], torch.stack([p[0] for p in parts]).mean(0), atol=1e-6) for i in range(4))
+    assert all(torch.allclose(got[i][1], torch.stack([p[1] for p in parts[:3]]).mean(0), atol=1e-6) for i in range(4))
+    assert reducer.outlier_values == [0, 0, 0, D] and reducer.reduced_values == [2 * D] * 4
+    alone, _ = _reduce(lambda: RobustPartReducer([(D,)], 2), [[parts[0][0]], [parts[1][0]]], [1.0, 1.0],
+                       left_out=frozenset({(0, 0), (1, 0)}))  # nothing left to combine: zeros, not an error
+    assert all(float(r[0].abs().max()) == 0.0 for r in alone)
 
 
 def test_a_sender_dropped_mid_round_counts_for_the_parts_it_gave_and_is_not_waited_for():

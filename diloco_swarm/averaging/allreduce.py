@@ -16,7 +16,9 @@ partitioning, load balancing and timeouts:
    witnesses), its values finite, and their RMS no more than
    ``max_part_rms_ratio`` times the reducer's own part, scaled by how many more tokens the
    sender trained on (:func:`allowed_scale`); our own part counts as at least ``RMS_FLOOR``. A sender that breaks a
-   rule is refused for the round and named in the round report.
+   rule is refused for the round and named in the round report; in a Δ round a part only over the size
+   bound (a judgement, not proof) is left out of our slice instead, as an outlier, and the round goes on
+   (``RoundStats.oversized_senders``).
 3. A reducer combines its slice's parts with a robust rule, not the streaming weighted mean
    (``reducer.RobustPartReducer``: ``robust.skipped_mean``, the weighted mean of the parts within τ of
    the kept parts' centre, outliers left out), and names the senders whose parts were outliers on
@@ -57,7 +59,7 @@ MAX_SENDER_WEIGHT = 1e12  # tokens; far above any honest round
 REFUSED_OUR_PART = "refused our part"  # a reducer's reason in RoundStats.failed_reducers when it refused us
 RMS_FLOOR = 1e-3  # the smallest RMS our own Δ counts as in the size bounds (covers an all-zero local part)
 MAX_WEIGHT_SCALE = 64.0  # most an honest Δ's size bound grows for a sender that trained more tokens than us
-SIZE_REASON = "above the bound"  # in a refusal for Δ size: a judgement, so the sender is avoided for a while, not banned
+SIZE_REASON = "above the bound"  # a part over the size bound: a judgement, so its sender is avoided a while, not banned
 # in a refusal for a part's weight that differs from the sender's gathered one: not proof either (the gathered list is
 # the leader's copy, which a hostile leader could alter to frame a member), so the sender is avoided a while, not banned
 WEIGHT_REASON = "not the weight it gathered"
@@ -89,6 +91,9 @@ class RoundStats:
     failed_values: int = 0
     total_values: int = 0
     rejected_senders: dict[str, str] = field(default_factory=dict)  # peer id -> reason
+    # peer id -> why, of the senders with a part over the size bound that our robust reducer left out of our slice
+    # (counted as outlier values). Not a failure: the round goes on without those parts (a Δ round only)
+    oversized_senders: dict[str, str] = field(default_factory=dict)
     failed_reducers: dict[str, str] = field(default_factory=dict)  # peer id -> reason
     # peer id -> share of the values we reduced on which its part was an outlier, left out (>= OUTLIER_SHARE; never
     # us). Not a failure: the round keeps the robust average
@@ -433,7 +438,13 @@ class ConsensusAllReduceRunner(AllReduceRunner):
             ):
                 self.stats.bytes_received += n_bytes
                 problem = self._check_sender_part(sender_id.to_base58(), part_index, tensor_part, weight, compression)
-                if problem is not None:
+                left_out = problem is not None and SIZE_REASON in problem and isinstance(
+                    self.tensor_part_reducer, RobustPartReducer)
+                if left_out:  # only too large: a judgement, so this part is left out and the round goes on
+                    if sender_id.to_base58() not in self.stats.oversized_senders:
+                        logger.warning(f"Leaving out peer {sender_id.to_base58()}'s part: it {problem}")
+                    self.stats.oversized_senders.setdefault(sender_id.to_base58(), problem)
+                elif problem is not None:
                     self.stats.rejected_senders[sender_id.to_base58()] = problem
                     logger.warning(f"Rejected peer {sender_id.to_base58()}: it {problem}")
                     # say so: a sender whose part was valid learns that we refused it (averager.py avoids us then)
@@ -441,8 +452,8 @@ class ConsensusAllReduceRunner(AllReduceRunner):
                     break
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, part_index, tensor_part, weight=weight
-                    )
+                        sender_index, part_index, tensor_part, weight=weight,
+                        **({"left_out": True} if left_out else {}))  # (hivemind's plain reducer takes no flag)
                     part_index += 1
                 except Exception:  # BannedException: the sender was banned while we waited
                     self.stats.rejected_senders.setdefault(sender_id.to_base58(), "banned (too slow)")

@@ -44,7 +44,7 @@ class PeerConduct:
 
     def judge(self, stats: RoundStats) -> None:
         """Ban or avoid the members whose conduct in a finished all-reduce showed them hostile."""
-        for peer, reason in stats.rejected_senders.items():
+        for peer, reason in {**stats.oversized_senders, **stats.rejected_senders}.items():
             if SIZE_REASON in reason:  # a judgement on an unusual Δ, not proof: avoid it a while
                 self.avoid(peer, AVOID_REFUSER_S, f"its Δ was too large ({reason})")
             elif WEIGHT_REASON in reason:  # the leader's gathered list may be the liar: avoid it a while

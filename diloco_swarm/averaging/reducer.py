@@ -27,11 +27,13 @@ class RobustPartReducer(TensorPartReducer):
     values, 2 MB in fp32), so n senders hold about 2n MB, plus as much while they are combined.
 
     Per sender it counts the values of our slice it contributed to (``reduced_values``) and those on which
-    its part was an outlier, left out (``outlier_values``).
+    its part was an outlier, left out (``outlier_values``); a part the all-reduce found over the size bound
+    (``left_out``) is one of those without being judged, and weighs in neither the centre nor the mean.
     """
 
     def __init__(self, part_shapes, num_senders: int):
-        self._parts: list[tuple[int, torch.Tensor, float]] = []  # (sender index, part, weight) of the current part
+        # (sender index, part, weight, left out) of the current part
+        self._parts: list[tuple[int, torch.Tensor, float, bool]] = []
         self._combining = False
         self.reduced_values = [0] * num_senders
         self.outlier_values = [0] * num_senders
@@ -43,10 +45,11 @@ class RobustPartReducer(TensorPartReducer):
         self._parts = []
 
     async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
-                              weight: float = 1.0) -> torch.Tensor:
-        """Keep ``tensor_part`` of ``sender_index`` for part ``part_index``; return the part's robust
-        average once every expected sender gave its own. :raises BannedException: the sender was banned
-        meanwhile; ``AllreduceException``: the reducer was finalized meanwhile."""
+                              weight: float = 1.0, left_out: bool = False) -> torch.Tensor:
+        """Keep ``tensor_part`` of ``sender_index`` for part ``part_index`` (``left_out``: an outlier without a
+        vote); return the part's robust average once every expected sender gave its own.
+        :raises BannedException: the sender was banned meanwhile; ``AllreduceException``: the reducer was
+            finalized meanwhile."""
         assert 0 <= sender_index < self.num_senders, "invalid sender index"
         assert 0 <= part_index < self.num_parts, "invalid part index"
         self.num_parts_received[sender_index] += 1
@@ -62,7 +65,7 @@ class RobustPartReducer(TensorPartReducer):
             raise BannedException(f"sender {sender_index} was banned in background")
         assert part_index == self.current_part_index
         future = self.current_part_future
-        self._parts.append((sender_index, tensor_part, weight))
+        self._parts.append((sender_index, tensor_part, weight, left_out))
         self.current_part_accumulated_from += 1
         self.check_current_part_finished()
         return await future
@@ -74,7 +77,7 @@ class RobustPartReducer(TensorPartReducer):
             asyncio.ensure_future(self._combine(self.current_part_future, self._parts,
                                                 self.part_shapes[self.current_part_index]))
 
-    async def _combine(self, future: asyncio.Future, parts: list[tuple[int, torch.Tensor, float]], shape) -> None:
+    async def _combine(self, future: asyncio.Future, parts: list[tuple[int, torch.Tensor, float, bool]], shape) -> None:
         """The robust average of ``parts`` (off the event loop) into ``future``; then the next part index."""
         try:
             result = await asyncio.get_running_loop().run_in_executor(None, _combine_parts, parts, shape)
@@ -86,7 +89,7 @@ class RobustPartReducer(TensorPartReducer):
         if self.finished.is_set() or future.done():  # finalized meanwhile (its future cancelled)
             return
         value, outliers = result
-        for (sender, part, _), out in zip(parts, outliers):
+        for (sender, part, _, _), out in zip(parts, outliers):
             self.reduced_values[sender] += part.numel()
             self.outlier_values[sender] += part.numel() if out else 0
         future.set_result(value)
@@ -94,10 +97,13 @@ class RobustPartReducer(TensorPartReducer):
         self.reset_accumulators()
 
 
-def _combine_parts(parts: list[tuple[int, torch.Tensor, float]], shape) -> tuple[torch.Tensor, list[bool]]:
-    """(The skipped mean of the parts, reshaped to ``shape``; which senders were outliers). No part: zeros."""
-    if not parts:
-        return torch.zeros(shape), []
-    stack = torch.stack([part.reshape(-1).to(torch.float32) for _, part, _ in parts])
-    robust = skipped_mean(stack, torch.tensor([w for _, _, w in parts], dtype=torch.float64))
-    return robust.value.reshape(shape), robust.outliers
+def _combine_parts(parts: list[tuple[int, torch.Tensor, float, bool]], shape) -> tuple[torch.Tensor, list[bool]]:
+    """(The skipped mean of the parts not left out, reshaped to ``shape``; which senders were outliers, the left-out
+    ones among them). No part to combine: zeros."""
+    judged = [(part, weight) for _, part, weight, left_out in parts if not left_out]
+    if not judged:
+        return torch.zeros(shape), [True] * len(parts)
+    stack = torch.stack([part.reshape(-1).to(torch.float32) for part, _ in judged])
+    robust = skipped_mean(stack, torch.tensor([w for _, w in judged], dtype=torch.float64))
+    verdicts = iter(robust.outliers)
+    return robust.value.reshape(shape), [True if left_out else next(verdicts) for *_, left_out in parts]
