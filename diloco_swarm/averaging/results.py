@@ -35,7 +35,8 @@ class RoundResult:
     """Outcome of one averaging round, from this peer's point of view.
 
     ``ok`` is true only when a group of at least two formed, every part of every member
-    arrived and passed the checks, the average is finite and within the norm bound, and
+    arrived and passed the checks (in a Δ round a part only over the size bound is left out of its
+    slice instead, ``RoundStats.oversized_senders``), the average is finite and within the norm bound, and
     **every** member published the same digest of the average in time (a member that saw a
     partial round publishes "failed" instead). When ``ok`` is false the caller gets its own Δ back.
     """
