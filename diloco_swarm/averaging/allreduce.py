@@ -16,9 +16,8 @@ partitioning, load balancing and timeouts:
    witnesses), its values finite, and their RMS no more than
    ``max_part_rms_ratio`` times the reducer's own part, scaled by how many more tokens the
    sender trained on (:func:`allowed_scale`); our own part counts as at least ``RMS_FLOOR``. A sender that breaks a
-   rule is refused for the round and named in the round report; in a Δ round a part only over the size
-   bound (a judgement, not proof) is left out of our slice instead, as an outlier, and the round goes on
-   (``RoundStats.oversized_senders``).
+   rule is refused for the round and named; in a Δ round a part only over the size bound is left out of
+   our slice instead, as an outlier's, and the round goes on (``RoundStats.oversized_senders``).
 3. A reducer combines its slice's parts with a robust rule, not the streaming weighted mean
    (``reducer.RobustPartReducer``: ``robust.skipped_mean``, the weighted mean of the parts within τ of
    the kept parts' centre, outliers left out), and names the senders whose parts were outliers on
@@ -91,8 +90,7 @@ class RoundStats:
     failed_values: int = 0
     total_values: int = 0
     rejected_senders: dict[str, str] = field(default_factory=dict)  # peer id -> reason
-    # peer id -> why, of the senders with a part over the size bound that our robust reducer left out of our slice
-    # (counted as outlier values). Not a failure: the round goes on without those parts (a Δ round only)
+    # peer id -> why: a part over the size bound, left out of our slice (a Δ round goes on without it)
     oversized_senders: dict[str, str] = field(default_factory=dict)
     failed_reducers: dict[str, str] = field(default_factory=dict)  # peer id -> reason
     # peer id -> share of the values we reduced on which its part was an outlier, left out (>= OUTLIER_SHARE; never
@@ -440,11 +438,10 @@ class ConsensusAllReduceRunner(AllReduceRunner):
                 problem = self._check_sender_part(sender_id.to_base58(), part_index, tensor_part, weight, compression)
                 left_out = problem is not None and SIZE_REASON in problem and isinstance(
                     self.tensor_part_reducer, RobustPartReducer)
-                if left_out:  # only too large: a judgement, so this part is left out and the round goes on
-                    if sender_id.to_base58() not in self.stats.oversized_senders:
-                        logger.warning(f"Leaving out peer {sender_id.to_base58()}'s part: it {problem}")
-                    self.stats.oversized_senders.setdefault(sender_id.to_base58(), problem)
-                elif problem is not None:
+                if left_out and sender_id.to_base58() not in self.stats.oversized_senders:  # a judgement, not proof
+                    logger.warning(f"Leaving out peer {sender_id.to_base58()}'s part: it {problem}")
+                    self.stats.oversized_senders[sender_id.to_base58()] = problem
+                elif problem is not None and not left_out:
                     self.stats.rejected_senders[sender_id.to_base58()] = problem
                     logger.warning(f"Rejected peer {sender_id.to_base58()}: it {problem}")
                     # say so: a sender whose part was valid learns that we refused it (averager.py avoids us then)
